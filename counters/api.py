@@ -1,0 +1,226 @@
+"""The Django layer: settings → Buffer, the write path, reads, and flush entry points."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from redis import Redis, RedisError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from . import conf, outbox
+from .buffer import Buffer
+from .exceptions import BufferUnavailable
+from .registry import get_spec
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_clients: dict[tuple[str, float], Redis] = {}
+_buffers: dict[tuple[str, float, str, int], Buffer] = {}
+
+#: Times the write path sent deltas straight to the DB because Redis failed (this process).
+fallback_count = 0
+
+
+def get_client(url: str | None = None, timeout: float | None = None) -> Redis:
+    """A shared client for ``url`` (default: ``COUNTERS_REDIS_URL``).
+
+    redis-py's own retries are off: every caller here decides itself whether a
+    repeat is safe, and the write path must fall back quickly when Redis is down.
+    """
+    url = url or conf.redis_url()
+    timeout = conf.socket_timeout() if timeout is None else timeout
+    key = (url, timeout)
+    client = _clients.get(key)
+    if client is None:
+        with _lock:
+            client = _clients.get(key)
+            if client is None:
+                client = _clients[key] = Redis.from_url(
+                    url,
+                    socket_timeout=timeout,
+                    socket_connect_timeout=timeout,
+                    retry=Retry(NoBackoff(), 0),
+                    health_check_interval=30,
+                )
+    return client
+
+
+def get_buffer() -> Buffer:
+    """The Buffer configured by the ``COUNTERS_*`` settings."""
+    url, timeout = conf.redis_url(), conf.socket_timeout()
+    prefix, shards = conf.key_prefix(), conf.shards()
+    key = (url, timeout, prefix, shards)
+    buffer = _buffers.get(key)
+    if buffer is None:
+        buffer = _buffers[key] = Buffer(get_client(url, timeout), prefix, shards)
+    return buffer
+
+
+# -- write path ---------------------------------------------------------------
+
+
+def add(name: str, key: Any, delta: int = 1, *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Add ``delta`` to counter ``name`` at ``key`` once the current transaction commits."""
+    if delta:
+        add_many(name, {key: delta}, using=using)
+
+
+def add_many(name: str, deltas: Mapping[Any, int], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Add several deltas ({key: delta}) to counter ``name`` after commit."""
+    spec = get_spec(name)
+    outbox.record({spec.member(k): d for k, d in deltas.items() if d}, using, send)
+
+
+def send(deltas: Mapping[str, int], using: str) -> None:
+    """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
+
+    Never raises: it runs after COMMIT, where the request has already succeeded.
+    """
+    push_id = uuid.uuid4().hex
+    buffer = get_buffer()
+    for attempt in (1, 2):
+        try:
+            buffer.push(deltas, push_id)
+            return
+        except RedisError as exc:
+            # The push is idempotent per push_id, so one repeat is safe even if
+            # the first attempt ran and only its reply was lost.
+            if attempt == 2:
+                logger.warning(
+                    "Redis push failed (%s); writing %s deltas to the DB", exc, len(deltas)
+                )
+    write_direct(deltas, using)
+
+
+def write_direct(deltas: Mapping[str, int], using: str, attempts: int = 3) -> None:
+    """Apply deltas to the DB now, recorded in the ledger as a fallback batch."""
+    global fallback_count
+    from .apply import apply_deltas
+    from .models import FlushBatch
+
+    for attempt in range(1, attempts + 1):
+        try:
+            with transaction.atomic(using=using):
+                applied = apply_deltas(deltas, using)
+                FlushBatch.objects.using(using).create(
+                    batch_id=f"fallback-{uuid.uuid4().hex}",
+                    kind=FlushBatch.Kind.FALLBACK,
+                    keys=applied.keys,
+                    deltas=applied.deltas,
+                    dropped=applied.dropped,
+                )
+            fallback_count += 1
+            return
+        except OperationalError:
+            # Deadlock or lock timeout against a concurrent flush: try again.
+            if attempt == attempts:
+                logger.exception(
+                    "could not write %s deltas to the DB: %r", len(deltas), dict(deltas)
+                )
+                return
+            time.sleep(0.05 * attempt)
+        except Exception:
+            logger.exception("could not write %s deltas to the DB: %r", len(deltas), dict(deltas))
+            return
+
+
+# -- read path ----------------------------------------------------------------
+
+
+def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict[Any, int]:
+    """Exact current values: stored row + pending + in-flight unless already applied.
+
+    Redis is read before and after the DB; if a batch was moved or acknowledged
+    in between, the read is repeated, so a value is never counted twice or missed.
+    """
+    spec = get_spec(name)
+    keys = list(dict.fromkeys(keys))
+    if not keys:
+        return {}
+    members = {spec.member(k): k for k in keys}
+    buffer = get_buffer()
+    for _ in range(5):
+        snap = buffer.snapshot(members)
+        stored, applied = _read_rows(spec, keys, set(snap.inflight_ids.values()), using)
+        if buffer.generations(snap.gens) == snap.gens:
+            break
+    values = {}
+    for member, key in members.items():
+        shard = buffer.shard_of(member)
+        inflight = 0 if snap.inflight_ids.get(shard) in applied else snap.inflight[member]
+        values[key] = stored.get(key, 0) + snap.pending[member] + inflight
+    return values
+
+
+def get_value(name: str, key: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
+    return get_values(name, [key], using=using)[key]
+
+
+def _read_rows(spec, keys: list, batch_ids: set[str], using: str) -> tuple[dict, set[str]]:
+    """Stored values of ``keys`` and which of ``batch_ids`` are applied, in one statement.
+
+    One statement sees one snapshot, so the value and the ledger agree.
+    """
+    from .models import FlushBatch
+
+    model = spec.model
+    conn = connections[using]
+    qn = conn.ops.quote_name
+    table = qn(model._meta.db_table)
+    key_col = qn(spec.key_model_field.column)
+    value_col = qn(model._meta.get_field(spec.value_field).column)
+    ledger = qn(FlushBatch._meta.db_table)
+    ledger_pk = qn(FlushBatch._meta.pk.column)
+    ids = sorted(batch_ids)
+    rows_sql = (
+        f"SELECT {key_col}, {value_col}, NULL FROM {table} "
+        f"WHERE {key_col} IN ({', '.join(['%s'] * len(keys))})"
+    )
+    params: list = [spec.key_model_field.get_db_prep_value(k, conn) for k in keys]
+    if ids:
+        rows_sql += (
+            f" UNION ALL SELECT NULL, NULL, {ledger_pk} FROM {ledger} "
+            f"WHERE {ledger_pk} IN ({', '.join(['%s'] * len(ids))})"
+        )
+        params += ids
+    stored: dict = {}
+    applied: set[str] = set()
+    with conn.cursor() as cursor:
+        cursor.execute(rows_sql, params)
+        for key, value, batch_id in cursor.fetchall():
+            if batch_id is None:
+                stored[spec.to_key(key)] = int(value)
+            else:
+                applied.add(batch_id)
+    return stored, applied
+
+
+# -- flush ----------------------------------------------------------------------
+
+
+def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
+    """Flush every shard once with the configured settings; returns a FlushResult.
+
+    Raises :class:`BufferUnavailable` when Redis cannot be reached.
+    """
+    from .flusher import flush as run_flush
+
+    try:
+        return run_flush(
+            get_buffer(),
+            using=using,
+            batch_size=conf.batch_size(),
+            time_budget=conf.flush_time_budget() if time_budget is None else time_budget,
+            lease_timeout=conf.lease_timeout(),
+            retention=conf.ledger_retention(),
+        )
+    except RedisError as exc:
+        raise BufferUnavailable(conf.redis_url(), exc) from exc

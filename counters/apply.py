@@ -1,0 +1,110 @@
+"""Apply deltas to counter rows: additive ``F()`` updates grouped by delta value."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import models
+
+from .registry import CounterSpec, parse_member
+from .utils import batched
+
+logger = logging.getLogger(__name__)
+
+#: Largest IN list sent in one statement (below every backend's parameter limit).
+CHUNK = 5000
+
+
+@dataclass(frozen=True)
+class Applied:
+    keys: int
+    deltas: int
+    dropped: int
+    statements: int
+
+
+def group_by_spec(deltas: Mapping[str, int]) -> dict[CounterSpec, dict[Any, int]]:
+    grouped: dict[CounterSpec, dict[Any, int]] = defaultdict(dict)
+    for member, delta in deltas.items():
+        if delta:
+            spec, key = parse_member(member)
+            grouped[spec][key] = grouped[spec].get(key, 0) + delta
+    return grouped
+
+
+def _alive(spec: CounterSpec, keys: list, using: str) -> set:
+    """Keys whose foreign-key target row still exists (all keys if not a foreign key)."""
+    target = spec.target_model
+    if target is None:
+        return set(keys)
+    to_field = spec.key_model_field.remote_field.field_name
+    alive: set = set()
+    for chunk in batched(keys, CHUNK):
+        alive.update(
+            target._default_manager.using(using)
+            .filter(**{f"{to_field}__in": chunk})
+            .values_list(to_field, flat=True)
+        )
+    return alive
+
+
+def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Applied:
+    """Add ``keyed`` ({key: delta}) to ``spec``'s rows. Call inside a transaction."""
+    model = spec.model
+    qs = model._default_manager.using(using)
+    attname, value = spec.key_attname, spec.value_field
+    keys = list(keyed)
+    statements = 0
+    existing: set = set()
+    for chunk in batched(keys, CHUNK):
+        existing.update(qs.filter(**{f"{attname}__in": chunk}).values_list(attname, flat=True))
+        statements += 1
+    missing = [k for k in keys if k not in existing]
+    dropped: set = set()
+    if missing:
+        alive = _alive(spec, missing, using)
+        dropped = set(missing) - alive
+        if alive:
+            qs.bulk_create(
+                [model(**{attname: k, value: 0}) for k in alive],
+                ignore_conflicts=True,
+                batch_size=CHUNK,
+            )
+            statements += 2
+    if dropped:
+        logger.warning(
+            "dropped deltas of %s vanished %s keys: %s",
+            len(dropped),
+            spec.name,
+            sorted(dropped)[:20],
+        )
+    by_delta: dict[int, list] = defaultdict(list)
+    for key, delta in keyed.items():
+        if key not in dropped:
+            by_delta[delta].append(key)
+    for delta, group in sorted(by_delta.items()):
+        for chunk in batched(group, CHUNK):
+            qs.filter(**{f"{attname}__in": chunk}).update(**{value: models.F(value) + delta})
+            statements += 1
+    return Applied(
+        keys=len(keyed) - len(dropped),
+        deltas=sum(abs(d) for k, d in keyed.items() if k not in dropped),
+        dropped=len(dropped),
+        statements=statements,
+    )
+
+
+def apply_deltas(deltas: Mapping[str, int], using: str) -> Applied:
+    """Apply {member: delta} across every counter named in the members."""
+    keys = total = dropped = statements = 0
+    for spec, keyed in group_by_spec(deltas).items():
+        applied = apply_spec(spec, keyed, using)
+        keys += applied.keys
+        total += applied.deltas
+        dropped += applied.dropped
+        statements += applied.statements
+    return Applied(keys, total, dropped, statements)

@@ -1,0 +1,248 @@
+"""The Redis side of the pipeline: pending deltas, in-flight batches, reads.
+
+This module is plain Python: a :class:`Buffer` takes a redis-py client, a key
+prefix and a shard count, and knows nothing of Django settings or models.
+
+Layout per shard ``N`` (every key of a shard shares the hash tag ``{sN}`` so
+each script touches one Redis Cluster slot)::
+
+    <prefix>:{sN}:pending        ZSET  member "<counter>:<key>" -> summed delta
+    <prefix>:{sN}:inflight       ZSET  the batch being applied, same shape
+    <prefix>:{sN}:batch          HASH  id -> batch id, ts -> move time (ms)
+    <prefix>:{sN}:gen            STR   bumped by every move and ack (read consistency)
+    <prefix>:{sN}:lease          STR   flusher lease token (see lease.py)
+    <prefix>:{sN}:push:<id>      STR   short-lived marker that makes a push idempotent
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from redis import Redis
+
+from .exceptions import UnexpectedScriptReply
+
+# Add deltas to one shard's pending set at most once per push id; members that reach 0 are removed.
+PUSH_SCRIPT = """
+if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 0 end
+for i = 2, #ARGV, 2 do
+  if tonumber(redis.call('ZINCRBY', KEYS[1], ARGV[i + 1], ARGV[i])) == 0 then
+    redis.call('ZREM', KEYS[1], ARGV[i])
+  end
+end
+return 1
+"""
+
+# Return the batch in flight, or move up to ARGV[2] pending members into a new batch ARGV[1].
+MOVE_SCRIPT = """
+local current = redis.call('HGET', KEYS[3], 'id')
+if current then
+  return {'inflight', current, redis.call('HGET', KEYS[3], 'ts'),
+          redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')}
+end
+local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[2]))
+if #popped == 0 then return {'empty'} end
+local items, chunk = {}, {}
+for i = 1, #popped, 2 do
+  if tonumber(popped[i + 1]) ~= 0 then
+    items[#items + 1] = popped[i]
+    items[#items + 1] = popped[i + 1]
+    chunk[#chunk + 1] = popped[i + 1]
+    chunk[#chunk + 1] = popped[i]
+    if #chunk >= 1000 then redis.call('ZADD', KEYS[2], unpack(chunk)); chunk = {} end
+  end
+end
+if #chunk > 0 then redis.call('ZADD', KEYS[2], unpack(chunk)) end
+if #items > 0 then
+  redis.call('HSET', KEYS[3], 'id', ARGV[1], 'ts', ARGV[3])
+  redis.call('INCR', KEYS[4])
+end
+return {'moved', ARGV[1], ARGV[3], items}
+"""
+
+# Forget in-flight batch ARGV[1] only if it is still the batch in flight.
+ACK_SCRIPT = """
+if redis.call('HGET', KEYS[2], 'id') == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('INCR', KEYS[3])
+  return 1
+end
+return 0
+"""
+
+# Snapshot for reads: generation, batch id in flight, then pending and in-flight score per member.
+READ_SCRIPT = """
+local out = {redis.call('GET', KEYS[4]) or '0', redis.call('HGET', KEYS[3], 'id') or ''}
+for i = 1, #ARGV do
+  out[#out + 1] = redis.call('ZSCORE', KEYS[1], ARGV[i]) or '0'
+  out[#out + 1] = redis.call('ZSCORE', KEYS[2], ARGV[i]) or '0'
+end
+return out
+"""
+
+PUSH_MARKER_TTL_MS = 60_000
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Deltas moved to a shard's in-flight set under one id.
+
+    ``recovered`` is True when the batch was already in flight (a previous
+    flusher moved it and did not acknowledge it).
+    """
+
+    shard: int
+    batch_id: str
+    moved_at_ms: int
+    items: dict[str, int]
+    recovered: bool
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What Redis holds for some members at one instant."""
+
+    gens: dict[int, int]
+    inflight_ids: dict[int, str]
+    pending: dict[str, int]
+    inflight: dict[str, int]
+
+
+def shard_of(member: str, shards: int) -> int:
+    return zlib.crc32(member.encode()) % shards
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _int(value: bytes | str | float | int) -> int:
+    return int(float(_text(value))) if isinstance(value, bytes | str) else int(value)
+
+
+class Buffer:
+    """Pending and in-flight deltas of one key prefix in one Redis."""
+
+    def __init__(self, client: Redis, prefix: str = "counters", shards: int = 16) -> None:
+        if shards < 1:
+            raise ValueError("shards must be at least 1")
+        self.client = client
+        self.prefix = prefix
+        self.shards = shards
+        self._push = client.register_script(PUSH_SCRIPT)
+        self._move = client.register_script(MOVE_SCRIPT)
+        self._ack = client.register_script(ACK_SCRIPT)
+        self._read = client.register_script(READ_SCRIPT)
+
+    # -- keys ---------------------------------------------------------------
+    def key(self, shard: int, name: str) -> str:
+        return f"{self.prefix}:{{s{shard}}}:{name}"
+
+    def _shard_keys(self, shard: int) -> list[str]:
+        return [self.key(shard, n) for n in ("pending", "inflight", "batch", "gen")]
+
+    def shard_of(self, member: str) -> int:
+        return shard_of(member, self.shards)
+
+    def by_shard(self, members: Iterable[str]) -> dict[int, list[str]]:
+        groups: dict[int, list[str]] = defaultdict(list)
+        for member in members:
+            groups[self.shard_of(member)].append(member)
+        return groups
+
+    # -- write path -----------------------------------------------------------
+    def push(self, deltas: Mapping[str, int], push_id: str) -> set[int]:
+        """Add ``deltas`` ({member: delta}) in one round trip, one atomic script per shard.
+
+        ``push_id`` makes the call idempotent: repeating it with the same id
+        (after a lost reply) adds nothing twice. Returns the shards touched.
+        """
+        groups: dict[int, list[str | int]] = defaultdict(list)
+        for member, delta in deltas.items():
+            if delta:
+                groups[self.shard_of(member)].extend((member, int(delta)))
+        if not groups:
+            return set()
+        pipe = self.client.pipeline(transaction=False)
+        for shard, args in groups.items():
+            marker = self.key(shard, f"push:{push_id}")
+            self._push(
+                keys=[self.key(shard, "pending"), marker],
+                args=[PUSH_MARKER_TTL_MS, *args],
+                client=pipe,
+            )
+        pipe.execute()
+        return set(groups)
+
+    # -- flush path -----------------------------------------------------------
+    def pending_count(self, shard: int) -> int:
+        return int(self.client.zcard(self.key(shard, "pending")))
+
+    def move(self, shard: int, batch_id: str, limit: int) -> Batch | None:
+        """Move up to ``limit`` pending members into a new in-flight batch.
+
+        If a batch is already in flight it is returned instead (``recovered``);
+        None means the shard had nothing pending.
+        """
+        now_ms = int(time.time() * 1000)
+        reply = self._move(keys=self._shard_keys(shard), args=[batch_id, limit, now_ms])
+        status = _text(reply[0])
+        if status == "empty":
+            return None
+        if status not in ("inflight", "moved"):
+            raise UnexpectedScriptReply("MOVE_SCRIPT", reply)
+        flat = reply[3]
+        items = {_text(flat[i]): _int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return Batch(
+            shard=shard,
+            batch_id=_text(reply[1]),
+            moved_at_ms=_int(reply[2]),
+            items=items,
+            recovered=status == "inflight",
+        )
+
+    def ack(self, shard: int, batch_id: str) -> bool:
+        """Drop the in-flight batch if it is still ``batch_id``; False if it was not."""
+        keys = [self.key(shard, "inflight"), self.key(shard, "batch"), self.key(shard, "gen")]
+        reply = self._ack(keys=keys, args=[batch_id])
+        if reply not in (0, 1):
+            raise UnexpectedScriptReply("ACK_SCRIPT", reply)
+        return reply == 1
+
+    def inflight_ids(self) -> dict[int, str]:
+        """Batch id in flight per shard, for shards that have one."""
+        pipe = self.client.pipeline(transaction=False)
+        for shard in range(self.shards):
+            pipe.hget(self.key(shard, "batch"), "id")
+        return {s: _text(v) for s, v in enumerate(pipe.execute()) if v is not None}
+
+    # -- read path ------------------------------------------------------------
+    def snapshot(self, members: Iterable[str]) -> Snapshot:
+        """Pending and in-flight deltas of ``members``, each shard read atomically."""
+        groups = self.by_shard(members)
+        pipe = self.client.pipeline(transaction=False)
+        for shard, group in groups.items():
+            self._read(keys=self._shard_keys(shard), args=group, client=pipe)
+        gens: dict[int, int] = {}
+        inflight_ids: dict[int, str] = {}
+        pending: dict[str, int] = {}
+        inflight: dict[str, int] = {}
+        for (shard, group), reply in zip(groups.items(), pipe.execute(), strict=True):
+            gens[shard] = _int(reply[0])
+            if reply[1]:
+                inflight_ids[shard] = _text(reply[1])
+            for i, member in enumerate(group):
+                pending[member] = _int(reply[2 + 2 * i])
+                inflight[member] = _int(reply[3 + 2 * i])
+        return Snapshot(gens, inflight_ids, pending, inflight)
+
+    def generations(self, shards: Iterable[int]) -> dict[int, int]:
+        shards = list(shards)
+        pipe = self.client.pipeline(transaction=False)
+        for shard in shards:
+            pipe.get(self.key(shard, "gen"))
+        return {s: _int(v or 0) for s, v in zip(shards, pipe.execute(), strict=True)}

@@ -1,0 +1,61 @@
+"""System checks for the COUNTERS_* settings."""
+
+from __future__ import annotations
+
+from django.core.checks import Error, Tags, Warning, register
+
+from . import conf
+
+POSITIVE = {
+    "COUNTERS_SHARDS": "counters.E001",
+    "COUNTERS_BATCH_SIZE": "counters.E002",
+    "COUNTERS_FLUSH_INTERVAL": "counters.E003",
+    "COUNTERS_FLUSH_TIME_BUDGET": "counters.E004",
+    "COUNTERS_LEASE_TIMEOUT": "counters.E005",
+    "COUNTERS_SOCKET_TIMEOUT": "counters.E006",
+    "COUNTERS_LEDGER_RETENTION": "counters.E007",
+}
+
+
+@register(Tags.compatibility)
+def check_settings(app_configs=None, **kwargs):
+    errors = []
+    for name, check_id in POSITIVE.items():
+        try:
+            value = conf.get(name)
+        except (TypeError, ValueError) as exc:
+            errors.append(Error(f"{name} is not a valid number: {exc}", id=check_id))
+            continue
+        if value <= 0:
+            errors.append(Error(f"{name} must be greater than 0 (got {value!r}).", id=check_id))
+    prefix = conf.get("COUNTERS_KEY_PREFIX")
+    if not prefix or any(c in prefix for c in "{} "):
+        errors.append(
+            Error(
+                f"COUNTERS_KEY_PREFIX {prefix!r} must be non-empty, without braces or spaces.",
+                id="counters.E008",
+            )
+        )
+    url = conf.redis_url()
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        errors.append(Error(f"COUNTERS_REDIS_URL {url!r} is not a redis URL.", id="counters.E009"))
+    return errors
+
+
+@register("counters", deploy=True)
+def check_redis_reachable(app_configs=None, **kwargs):
+    from redis import RedisError
+
+    from .api import get_client
+
+    try:
+        get_client().ping()
+    except RedisError as exc:
+        return [
+            Warning(
+                f"Redis is unreachable at {conf.redis_url()}: {exc}",
+                hint="Counter deltas fall back to direct DB writes until it is back.",
+                id="counters.W001",
+            )
+        ]
+    return []

@@ -1,0 +1,140 @@
+"""Every ``COUNTERS_*`` setting, its type and its default, read at call time.
+
+Lookup order for each name: the Django setting, then an environment variable
+of the same name, then the default below. Reading at call time means
+``override_settings`` and changed environments take effect without a restart
+of anything but the process that reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings as django_settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type
+    default: Any
+    doc: str
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            "COUNTERS_REDIS_URL",
+            str,
+            None,
+            "Redis server holding the buffer. Default: the REDIS_URL setting, "
+            "else redis://127.0.0.1:6379/0.",
+        ),
+        Setting("COUNTERS_KEY_PREFIX", str, "counters", "Prefix of every Redis key Tally writes."),
+        Setting(
+            "COUNTERS_SHARDS",
+            int,
+            16,
+            "Number of shards. Each shard is one sorted set with its own lease; "
+            "shards spread over a Redis Cluster. Changing it strands pending deltas "
+            "in the old shards until they are flushed with the old value.",
+        ),
+        Setting(
+            "COUNTERS_BATCH_SIZE",
+            int,
+            1000,
+            "Most keys moved and applied in one DB transaction.",
+        ),
+        Setting(
+            "COUNTERS_FLUSH_INTERVAL",
+            int,
+            10,
+            "Seconds between two runs of the periodic flush task (django-celery-beat).",
+        ),
+        Setting(
+            "COUNTERS_FLUSH_TIME_BUDGET",
+            float,
+            30.0,
+            "Seconds one flush may spend before it stops starting new batches.",
+        ),
+        Setting(
+            "COUNTERS_LEASE_TIMEOUT",
+            float,
+            30.0,
+            "Seconds a shard lease lives unless extended; a dead flusher's lease "
+            "expires after this long.",
+        ),
+        Setting(
+            "COUNTERS_SOCKET_TIMEOUT",
+            float,
+            2.0,
+            "Seconds a Redis call may take before the write path falls back to the DB.",
+        ),
+        Setting(
+            "COUNTERS_LEDGER_RETENTION",
+            int,
+            7 * 24 * 3600,
+            "Seconds applied batch ids are kept in the FlushBatch ledger.",
+        ),
+    )
+}
+
+_MISSING = object()
+
+
+def parse(setting: Setting, raw: Any) -> Any:
+    """Convert ``raw`` (a setting value or an environment string) to the setting's type."""
+    if raw is None:
+        return None
+    if setting.type is bool and isinstance(raw, str):
+        return raw.strip().lower() in {"1", "true", "yes", "on"}
+    return setting.type(raw)
+
+
+def get(name: str) -> Any:
+    setting = SETTINGS[name]
+    raw = getattr(django_settings, name, _MISSING)
+    if raw is _MISSING:
+        raw = os.environ.get(name, setting.default)
+    return parse(setting, raw)
+
+
+def redis_url() -> str:
+    return get("COUNTERS_REDIS_URL") or getattr(
+        django_settings, "REDIS_URL", "redis://127.0.0.1:6379/0"
+    )
+
+
+def key_prefix() -> str:
+    return get("COUNTERS_KEY_PREFIX")
+
+
+def shards() -> int:
+    return get("COUNTERS_SHARDS")
+
+
+def batch_size() -> int:
+    return get("COUNTERS_BATCH_SIZE")
+
+
+def flush_interval() -> int:
+    return get("COUNTERS_FLUSH_INTERVAL")
+
+
+def flush_time_budget() -> float:
+    return get("COUNTERS_FLUSH_TIME_BUDGET")
+
+
+def lease_timeout() -> float:
+    return get("COUNTERS_LEASE_TIMEOUT")
+
+
+def socket_timeout() -> float:
+    return get("COUNTERS_SOCKET_TIMEOUT")
+
+
+def ledger_retention() -> int:
+    return get("COUNTERS_LEDGER_RETENTION")

@@ -1,0 +1,31 @@
+"""Exceptions raised by the counters app. Each carries the data it is about."""
+
+from __future__ import annotations
+
+
+class CountersError(Exception):
+    """Base class of every error the counters app raises on purpose."""
+
+
+class UnknownCounter(CountersError, LookupError):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"no counter named {name!r} is registered")
+
+
+class BufferUnavailable(CountersError):
+    """Redis could not be reached; ``url`` says where it was looked for."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        self.url = url
+        self.cause = cause
+        super().__init__(f"Redis unreachable at {url}: {cause}")
+
+
+class UnexpectedScriptReply(CountersError):
+    """A Lua script answered something its caller does not know."""
+
+    def __init__(self, script: str, reply: object) -> None:
+        self.script = script
+        self.reply = reply
+        super().__init__(f"{script} returned unexpected {reply!r}")

@@ -1,0 +1,95 @@
+"""A Redis lease: one holder at a time, proven by a random token.
+
+Acquire is ``SET key token NX PX ttl``; extend and release are Lua scripts that
+act only if the key still holds our token, so a holder whose lease expired can
+never extend or delete the lease of its successor.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from types import TracebackType
+
+from redis import Redis
+
+from .exceptions import UnexpectedScriptReply
+
+# Push the expiry of lease KEYS[1] to ARGV[2] ms from now if it still holds token ARGV[1].
+EXTEND_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+# Delete lease KEYS[1] if it still holds token ARGV[1].
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class Lease:
+    """``with Lease(client, key, ttl) as lease:`` — ``lease.held`` says if we got it."""
+
+    def __init__(self, client: Redis, key: str, ttl: float) -> None:
+        self.client = client
+        self.key = key
+        self.ttl_ms = max(1, int(ttl * 1000))
+        self.token = secrets.token_hex(16)
+        self.held = False
+        self.expires_at = 0.0
+        self._extend = client.register_script(EXTEND_SCRIPT)
+        self._release = client.register_script(RELEASE_SCRIPT)
+
+    def acquire(self) -> bool:
+        started = time.monotonic()
+        self.held = bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
+        if self.held:
+            self.expires_at = started + self.ttl_ms / 1000
+        return self.held
+
+    def extend(self) -> bool:
+        """Renew the full ttl. False (and ``held`` False) if the lease was lost."""
+        started = time.monotonic()
+        reply = self._extend(keys=[self.key], args=[self.token, self.ttl_ms])
+        if reply not in (0, 1):
+            raise UnexpectedScriptReply("EXTEND_SCRIPT", reply)
+        self.held = reply == 1
+        if self.held:
+            self.expires_at = started + self.ttl_ms / 1000
+        return self.held
+
+    def remaining(self) -> float:
+        """Seconds left before the lease expires, as far as this holder knows."""
+        return max(0.0, self.expires_at - time.monotonic()) if self.held else 0.0
+
+    def release(self) -> bool:
+        if not self.held:
+            return False
+        reply = self._release(keys=[self.key], args=[self.token])
+        if reply not in (0, 1):
+            raise UnexpectedScriptReply("RELEASE_SCRIPT", reply)
+        self.held = False
+        return reply == 1
+
+    def __enter__(self) -> Lease:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.held:
+            try:
+                self.release()
+            except Exception:
+                # The lease expires by itself; never mask the original error.
+                if exc is None:
+                    raise

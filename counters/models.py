@@ -1,0 +1,30 @@
+from django.db import models
+from django.utils import timezone
+
+
+class FlushBatch(models.Model):
+    """Ledger of applied batches: one row per batch, written in the same DB
+    transaction as the counter updates it records. A batch id in this table
+    has been applied; one that is not has not."""
+
+    class Kind(models.TextChoices):
+        FLUSH = "flush", "flush"
+        FALLBACK = "fallback", "direct write (Redis unavailable)"
+
+    batch_id = models.CharField(max_length=64, primary_key=True)
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.FLUSH)
+    shard = models.SmallIntegerField(null=True, blank=True)
+    keys = models.PositiveIntegerField(default=0, help_text="Distinct counter keys in the batch.")
+    deltas = models.BigIntegerField(default=0, help_text="Sum of absolute deltas applied.")
+    dropped = models.PositiveIntegerField(
+        default=0, help_text="Keys skipped because the row they count for no longer exists."
+    )
+    applied_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-applied_at"]
+        verbose_name = "flush batch"
+        verbose_name_plural = "flush batches"
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.batch_id} ({self.keys} keys)"

@@ -1,0 +1,94 @@
+"""Counter specs: a name mapped to the model, key field and value field it updates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from django.apps import apps
+from django.db import models
+
+from .exceptions import UnknownCounter
+
+
+@dataclass(frozen=True)
+class CounterSpec:
+    """One counter: rows of ``model`` keyed by ``key_field`` holding ``value_field``.
+
+    ``key_field`` must be unique (usually the primary key). When it is a foreign
+    key, deltas for keys whose target row is gone are dropped instead of
+    creating a counter row for it.
+    """
+
+    name: str
+    model_label: str
+    key_field: str = "pk"
+    value_field: str = "count"
+
+    @cached_property
+    def model(self) -> type[models.Model]:
+        return apps.get_model(self.model_label)
+
+    @cached_property
+    def key_model_field(self) -> models.Field:
+        meta = self.model._meta
+        return meta.pk if self.key_field == "pk" else meta.get_field(self.key_field)
+
+    @cached_property
+    def key_attname(self) -> str:
+        return self.key_model_field.attname
+
+    @cached_property
+    def target_model(self) -> type[models.Model] | None:
+        """The model a foreign-key key field points to, else None."""
+        remote = self.key_model_field.remote_field
+        return remote.model if remote is not None else None
+
+    def to_key(self, raw: Any) -> Any:
+        """Convert a key read back from Redis (a string) to the field's Python value."""
+        return self.key_model_field.to_python(raw)
+
+    def member(self, key: Any) -> str:
+        return f"{self.name}:{key}"
+
+
+_registry: dict[str, CounterSpec] = {}
+
+
+def register(
+    name: str, model: str | type[models.Model], *, key_field: str = "pk", value_field: str = "count"
+) -> CounterSpec:
+    """Register a counter. ``model`` is a label ("app.Model") or a model class.
+
+    Registering the same name twice with the same arguments is harmless; with
+    different arguments it is an error.
+    """
+    if ":" in name:
+        raise ValueError(f"counter name {name!r} must not contain ':'")
+    label = model if isinstance(model, str) else model._meta.label
+    spec = CounterSpec(name, label, key_field, value_field)
+    existing = _registry.get(name)
+    if existing is not None and existing != spec:
+        raise ValueError(f"counter {name!r} is already registered as {existing}")
+    _registry.setdefault(name, spec)
+    return _registry[name]
+
+
+def get_spec(name: str) -> CounterSpec:
+    try:
+        return _registry[name]
+    except KeyError:
+        raise UnknownCounter(name) from None
+
+
+def all_specs() -> list[CounterSpec]:
+    return list(_registry.values())
+
+
+def parse_member(member: str | bytes) -> tuple[CounterSpec, Any]:
+    """Split a Redis member "<name>:<key>" into its spec and typed key."""
+    text = member.decode() if isinstance(member, bytes) else member
+    name, _, raw_key = text.partition(":")
+    spec = get_spec(name)
+    return spec, spec.to_key(raw_key)

@@ -1,0 +1,48 @@
+"""The periodic flush task in django-celery-beat, created by ``migrate``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.apps import apps
+
+from . import conf
+
+logger = logging.getLogger(__name__)
+
+TASK_NAME = "counters.flush"
+PERIODIC_TASK_NAME = "counters: flush buffered deltas"
+
+
+def ensure_periodic_task(interval: int | None = None, using: str = "default"):
+    """Create or update the beat entry that runs the flush every ``interval`` seconds.
+
+    Each run expires after one interval, so runs missed while no worker was up
+    are dropped instead of piling up in the broker.
+    """
+    if not apps.is_installed("django_celery_beat"):
+        return None
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    every = interval or conf.flush_interval()
+    schedule, _ = IntervalSchedule.objects.using(using).get_or_create(
+        every=every, period=IntervalSchedule.SECONDS
+    )
+    task, created = PeriodicTask.objects.using(using).update_or_create(
+        name=PERIODIC_TASK_NAME,
+        defaults={
+            "task": TASK_NAME,
+            "interval": schedule,
+            "expire_seconds": every,
+            "enabled": True,
+            "description": "Drains the Redis buffer of the counters app into the DB.",
+        },
+    )
+    if created:
+        logger.info("created periodic task %r every %ss", PERIODIC_TASK_NAME, every)
+    return task
+
+
+def ensure_periodic_task_after_migrate(using: str = "default", **kwargs: Any) -> None:
+    ensure_periodic_task(using=using)

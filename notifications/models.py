@@ -1,0 +1,159 @@
+"""Notifications and their per-user unread counter.
+
+Every ORM path that changes unread state counts through one rule: lock the
+rows, read what they were, change them, and emit the difference. A path that
+changed nothing emits nothing, so racing requests never count twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from . import transitions
+from .apps import UNREAD_COUNTER
+
+
+class NotificationQuerySet(models.QuerySet):
+    def unread(self) -> NotificationQuerySet:
+        return self.filter(is_read=False)
+
+    def read(self) -> NotificationQuerySet:
+        return self.filter(is_read=True)
+
+    def for_user(self, user: Any) -> NotificationQuerySet:
+        return self.filter(recipient=user)
+
+    def mark_all_read(self) -> int:
+        """Mark every unread notification of this queryset read; returns rows changed."""
+        return self.filter(is_read=False).update(is_read=True, read_at=timezone.now())
+
+    def mark_all_unread(self) -> int:
+        """Mark every read notification of this queryset unread; returns rows changed."""
+        return self.filter(is_read=True).update(is_read=False, read_at=None)
+
+    def update(self, **kwargs: Any) -> int:
+        if transitions.COUNTED_FIELDS.isdisjoint(kwargs):
+            return super().update(**kwargs)
+        return transitions.counted_update(self, kwargs)
+
+    update.alters_data = True
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        return transitions.counted_delete(self)
+
+    delete.alters_data = True
+    delete.queryset_only = True
+
+    def bulk_create(self, objs, *args: Any, **kwargs: Any) -> list[Notification]:
+        return transitions.counted_bulk_create(self, objs, *args, **kwargs)
+
+    def notify(self, recipients, *, batch_size: int = 1000, **fields: Any) -> int:
+        """Create one notification per recipient, in batches; returns how many."""
+        return transitions.notify(self, recipients, batch_size=batch_size, **fields)
+
+
+NotificationManager = models.Manager.from_queryset(NotificationQuerySet)
+
+
+class Notification(models.Model):
+    recipient = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="notifications"
+    )
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    verb = models.CharField(max_length=255)
+    description = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    is_read = models.BooleanField(default=False)
+    read_at = models.DateTimeField(null=True, blank=True)
+
+    objects = NotificationManager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(
+                fields=["recipient", "-created_at"],
+                name="notif_unread_by_recipient",
+                condition=models.Q(is_read=False),
+            ),
+            models.Index(fields=["recipient", "-created_at"], name="notif_by_recipient"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.verb} → {self.recipient_id}"
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        transitions.counted_save(self, super().save, *args, **kwargs)
+
+    save.alters_data = True
+
+    def delete(self, using: str | None = None, keep_parents: bool = False):
+        return transitions.counted_instance_delete(self, using)
+
+    delete.alters_data = True
+
+    def mark_read(self) -> bool:
+        """Mark read. True if this call changed the row (exactly one racing call wins)."""
+        return self._set_read(True)
+
+    def mark_unread(self) -> bool:
+        """Mark unread. True if this call changed the row."""
+        return self._set_read(False)
+
+    def _set_read(self, value: bool) -> bool:
+        read_at = timezone.now() if value else None
+        qs = type(self)._default_manager.using(self._state.db or "default").filter(pk=self.pk)
+        changed = qs.filter(is_read=not value).update(is_read=value, read_at=read_at) == 1
+        self.is_read = value
+        if changed:
+            self.read_at = read_at
+        return changed
+
+
+class UnreadCounterManager(models.Manager):
+    def get_count(self, user_or_id: Any) -> int:
+        """Exact unread count now: the stored row plus buffered deltas."""
+        import counters
+
+        user_id = getattr(user_or_id, "pk", user_or_id)
+        return counters.get_value(UNREAD_COUNTER, user_id, using=self.db)
+
+    def get_counts(self, users_or_ids) -> dict[Any, int]:
+        """Exact unread counts of several users at once, keyed by user id."""
+        import counters
+
+        ids = [getattr(u, "pk", u) for u in users_or_ids]
+        return counters.get_values(UNREAD_COUNTER, ids, using=self.db)
+
+
+class UnreadCounter(models.Model):
+    """Stored unread count of one user. Changed only by the counters flush."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="unread_counter",
+    )
+    count = models.BigIntegerField(default=0)
+
+    objects = UnreadCounterManager()
+
+    class Meta:
+        verbose_name = "unread counter"
+
+    def __str__(self) -> str:
+        return f"{self.user_id}: {self.count}"
+
+    def exact(self) -> int:
+        return type(self).objects.get_count(self.user_id)

@@ -1,0 +1,27 @@
+"""Ground truth and assertions shared by the tests."""
+
+from __future__ import annotations
+
+import counters
+from notifications.models import Notification, UnreadCounter
+
+
+def truth(user) -> int:
+    """COUNT(*) of the user's unread notifications: the ground truth."""
+    return Notification.objects.filter(recipient=user, is_read=False).count()
+
+
+def stored(user) -> int:
+    row = UnreadCounter.objects.filter(user=user).values_list("count", flat=True).first()
+    return row or 0
+
+
+def assert_exact(*users, flush: bool = True) -> None:
+    """get_count equals the truth now; after a flush the stored rows equal it too."""
+    for user in users:
+        assert UnreadCounter.objects.get_count(user) == truth(user), user
+    if flush:
+        counters.flush()
+        for user in users:
+            assert stored(user) == truth(user), user
+            assert UnreadCounter.objects.get_count(user) == truth(user), user
