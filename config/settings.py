@@ -75,7 +75,7 @@ ASGI_APPLICATION = "config.asgi.application"
 
 DATABASES = {
     "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'tally.sqlite3'}"),
+        os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'tally.sqlite3'}",
         conn_max_age=int(os.environ.get("CONN_MAX_AGE", "0")),
     )
 }
@@ -89,6 +89,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "timeout": 30,
     }
+    # A file, not memory, so subprocesses started by tests see the test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-tally.sqlite3")}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -147,6 +147,18 @@ def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS)
         return {}
     members = {spec.member(k): k for k in keys}
     buffer = get_buffer()
+    try:
+        return _exact_values(spec, members, buffer, using)
+    except RedisError as exc:
+        # Changes made while Redis is down are written to the rows directly, so
+        # the rows are the best answer there is; the page must not fail.
+        logger.warning("Redis unreachable (%s); reading %s from the DB only", exc, name)
+        stored, _ = _read_rows(spec, keys, set(), using)
+        return {key: stored.get(key, 0) for key in keys}
+
+
+def _exact_values(spec, members: dict[str, Any], buffer: Buffer, using: str) -> dict[Any, int]:
+    keys = list(members.values())
     for _ in range(5):
         snap = buffer.snapshot(members)
         stored, applied = _read_rows(spec, keys, set(snap.inflight_ids.values()), using)

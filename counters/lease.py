@@ -46,6 +46,9 @@ class Lease:
         self._release = client.register_script(RELEASE_SCRIPT)
 
     def acquire(self) -> bool:
+        # SET NX fails on our own key: renew it instead of forgetting that we hold it.
+        if self.held and self.extend():
+            return True
         started = time.monotonic()
         self.held = bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
         if self.held:

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import fakeredis
 import pytest
+
+pytest.register_assert_rewrite("tests.helpers")
 from django.db import connection
 
 import counters

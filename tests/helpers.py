@@ -19,9 +19,9 @@ def stored(user) -> int:
 def assert_exact(*users, flush: bool = True) -> None:
     """get_count equals the truth now; after a flush the stored rows equal it too."""
     for user in users:
-        assert UnreadCounter.objects.get_count(user) == truth(user), user
+        assert (user.pk, UnreadCounter.objects.get_count(user)) == (user.pk, truth(user))
     if flush:
         counters.flush()
         for user in users:
-            assert stored(user) == truth(user), user
-            assert UnreadCounter.objects.get_count(user) == truth(user), user
+            assert (user.pk, stored(user)) == (user.pk, truth(user))
+            assert (user.pk, UnreadCounter.objects.get_count(user)) == (user.pk, truth(user))

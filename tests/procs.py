@@ -1,0 +1,57 @@
+"""Run project commands as real subprocesses against the test database and Redis prefix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from django.conf import settings
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def database_url() -> str:
+    """URL of the database the tests run on (the test database, not the configured one)."""
+    s = connection.settings_dict
+    if connection.vendor == "postgresql":
+        host = s.get("HOST") or "127.0.0.1"
+        port = s.get("PORT") or 5432
+        return f"postgres://{s.get('USER') or ''}@{host}:{port}/{s['NAME']}"
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{s['NAME']}"
+    raise NotImplementedError(connection.vendor)
+
+
+def project_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=database_url(),
+        COUNTERS_KEY_PREFIX=settings.COUNTERS_KEY_PREFIX,
+        PYTHONUNBUFFERED="1",
+    )
+    for name in ("COUNTERS_REDIS_URL", "COUNTERS_SOCKET_TIMEOUT", "COUNTERS_BATCH_SIZE"):
+        if hasattr(settings, name):
+            env[name] = str(getattr(settings, name))
+    env.update(extra)
+    return env
+
+
+def manage(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "manage.py", *args],
+        cwd=ROOT,
+        env=popen.pop("env", None) or project_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def run_manage(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
+    proc = manage(*args, env=env or project_env())
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
