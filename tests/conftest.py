@@ -13,12 +13,12 @@ from collections.abc import Iterator
 
 import fakeredis
 import pytest
-
-pytest.register_assert_rewrite("tests.helpers")
 from django.db import connection
 
 import counters
 from counters import api
+
+pytest.register_assert_rewrite("tests.helpers")
 
 
 def is_postgres() -> bool:

@@ -56,7 +56,7 @@ def test_flush_command_json_output(make_user):
     ],
 )
 def test_flush_command_fails_with_one_readable_line(env, expected):
-    code, out, err = run_manage("notification_update_counter", env=project_env(**env))
+    code, _, err = run_manage("notification_update_counter", env=project_env(**env))
     assert code != 0
     lines = [line for line in err.strip().splitlines() if line]
     assert len(lines) == 1, err
