@@ -159,7 +159,8 @@ class Buffer:
         """Add ``deltas`` ({member: delta}) in one round trip, one atomic script per shard.
 
         ``push_id`` makes the call idempotent: repeating it with the same id
-        (after a lost reply) adds nothing twice. Returns the shards touched.
+        (after a lost reply) adds nothing twice. Returns the shards this call
+        changed (a shard that already had this push id is left out).
         """
         groups: dict[int, list[str | int]] = defaultdict(list)
         for member, delta in deltas.items():
@@ -175,8 +176,10 @@ class Buffer:
                 args=[PUSH_MARKER_TTL_MS, *args],
                 client=pipe,
             )
-        pipe.execute()
-        return set(groups)
+        replies = pipe.execute()
+        if any(reply not in (0, 1) for reply in replies):
+            raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
+        return {shard for shard, reply in zip(groups, replies, strict=True) if reply == 1}
 
     # -- flush path -----------------------------------------------------------
     def pending_count(self, shard: int) -> int:

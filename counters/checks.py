@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from django.core.checks import Error, Tags, Warning, register
 
 from . import conf
@@ -26,8 +28,12 @@ def check_settings(app_configs=None, **kwargs):
         except (TypeError, ValueError) as exc:
             errors.append(Error(f"{name} is not a valid number: {exc}", id=check_id))
             continue
-        if value <= 0:
-            errors.append(Error(f"{name} must be greater than 0 (got {value!r}).", id=check_id))
+        if value is None or not math.isfinite(value) or value <= 0:
+            errors.append(
+                Error(
+                    f"{name} must be a finite number greater than 0 (got {value!r}).", id=check_id
+                )
+            )
     prefix = conf.get("COUNTERS_KEY_PREFIX")
     if not prefix or any(c in prefix for c in "{} "):
         errors.append(

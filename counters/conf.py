@@ -91,6 +91,8 @@ def parse(setting: Setting, raw: Any) -> Any:
         return None
     if setting.type is bool and isinstance(raw, str):
         return raw.strip().lower() in {"1", "true", "yes", "on"}
+    if setting.type is int and isinstance(raw, float) and not raw.is_integer():
+        raise ValueError(f"{setting.name} must be a whole number, got {raw!r}")
     return setting.type(raw)
 
 

@@ -133,8 +133,8 @@ def test_push_skips_zero_deltas_and_empty_pushes(buf, client):
 
 
 def test_push_with_the_same_id_adds_once(buf, client):
-    buf.push({"c:1": 2, "c:2": 3}, "same")
-    buf.push({"c:1": 2, "c:2": 3}, "same")
+    assert buf.push({"c:1": 2, "c:2": 3}, "same") == {0, 2}
+    assert buf.push({"c:1": 2, "c:2": 3}, "same") == set()
     assert pending(client, 0) == {"c:1": 2}
     assert pending(client, 2) == {"c:2": 3}
 

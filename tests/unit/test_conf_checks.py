@@ -172,7 +172,10 @@ def test_non_positive_number_is_an_error(settings, name, check_id, value):
     setattr(settings, name, value)
     setting = conf.SETTINGS[name]
     assert check_settings() == [
-        Error(f"{name} must be greater than 0 (got {setting.type(value)!r}).", id=check_id)
+        Error(
+            f"{name} must be a finite number greater than 0 (got {setting.type(value)!r}).",
+            id=check_id,
+        )
     ]
 
 
@@ -229,17 +232,25 @@ def test_bad_redis_url_setting_fallback_is_e009_too(settings):
     assert [e.id for e in check_settings()] == ["counters.E009"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="bug: a setting of None passes conf.get and makes `value <= 0` raise TypeError",
-)
 def test_none_number_is_an_error_not_a_crash(settings):
     settings.COUNTERS_SHARDS = None
     assert [e.id for e in check_settings()] == ["counters.E001"]
 
 
 # -- check_redis_reachable (deploy) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "check_id"),
+    [
+        pytest.param("COUNTERS_LEASE_TIMEOUT", float("nan"), "counters.E005", id="nan"),
+        pytest.param("COUNTERS_FLUSH_TIME_BUDGET", float("inf"), "counters.E004", id="inf"),
+        pytest.param("COUNTERS_SHARDS", 1.9, "counters.E001", id="fractional-int"),
+    ],
+)
+def test_non_finite_or_fractional_numbers_are_errors(settings, name, value, check_id):
+    setattr(settings, name, value)
+    assert [e.id for e in check_settings()] == [check_id]
 
 
 def test_unreachable_redis_is_w001(settings):
