@@ -89,8 +89,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "transaction_mode": "IMMEDIATE",
         "timeout": 30,
     }
-    # A file, not memory, so subprocesses started by tests see the test database.
-    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-tally.sqlite3")}
+    # A file, not memory, so subprocesses started by tests see the test database;
+    # one per test run, so runs side by side do not share it.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-tally-{os.getpid()}.sqlite3")}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
