@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 # PostgreSQL for the integration run of the suite (the first run uses SQLite).
 TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 PYTEST_ARGS ?=
+# Port of the web process under `make run` (honcho would otherwise give it 5000).
+PORT ?= 8000
 
 export PATH := $(abspath $(BIN)):$(PATH)
 
@@ -23,7 +25,7 @@ migrate: install
 	$(BIN)/python manage.py migrate --noinput
 
 run: migrate
-	$(BIN)/honcho start -f Procfile
+	$(BIN)/honcho start -f Procfile --port $(PORT)
 
 test: test-sqlite test-postgres
 

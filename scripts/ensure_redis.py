@@ -65,7 +65,10 @@ def main() -> int:
     )
     for _ in range(50):
         if answers(URL):
-            print(f"started redis-server on {host}:{port} (log: {VAR}/redis-{port}.log)")
+            print(
+                f"started redis-server on {host}:{port} (log: {VAR}/redis-{port}.log; "
+                f"stop it with: kill $(cat {VAR}/redis-{port}.pid))"
+            )
             return 0
         time.sleep(0.1)
     print(f"redis-server did not answer at {URL}; see {VAR}/redis-{port}.log", file=sys.stderr)

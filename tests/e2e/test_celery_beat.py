@@ -1,0 +1,207 @@
+"""End to end: a real Celery beat (DatabaseScheduler) and worker keep the stored counters exact.
+
+The test process changes notifications; it never flushes. A ``celery beat``
+subprocess reads the periodic task from the test database and sends
+``counters.flush`` every second through a Redis broker database of this test
+alone; a ``celery worker`` subprocess runs it against the same database and the
+same Redis key prefix. The stored ``UnreadCounter`` rows must reach the
+COUNT(*) truth, twice in a row, through ledgered flush batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from django.conf import settings
+from django.db import connection
+
+from counters.models import FlushBatch
+from counters.schedule import ensure_periodic_task
+from notifications.models import Notification, UnreadCounter
+from tests.helpers import stored, truth
+from tests.procs import project_env
+
+ROOT = Path(__file__).resolve().parents[2]
+BROKER_DB = 14  # a Redis database of its own: no other worker consumes these tasks
+CONVERGE_TIMEOUT = 45.0
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.redis,
+    pytest.mark.postgres,
+    pytest.mark.skipif(
+        connection.vendor != "postgresql",
+        reason="e2e: worker and beat subprocesses share the test database only on PostgreSQL",
+    ),
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.timeout(120),
+]
+
+
+def broker_url() -> str:
+    base, _, _ = settings.REDIS_URL.rpartition("/")
+    return f"{base}/{BROKER_DB}"
+
+
+class CeleryProcs:
+    """A worker and a beat subprocess, each in its own process group, logging to a file."""
+
+    def __init__(self, env: dict[str, str], logdir: Path) -> None:
+        self.env = env
+        self.logdir = logdir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str) -> None:
+        log = (self.logdir / f"{name}.log").open("w")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "config", name, "--loglevel=INFO", *args],
+            cwd=ROOT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                pytest.fail(f"celery {name} exited with {proc.returncode} (output below)")
+
+    def output(self) -> str:
+        parts = []
+        for name in self.procs:
+            text = (self.logdir / f"{name}.log").read_text(errors="replace")
+            parts.append(f"----- celery {name} -----\n{text[-20_000:]}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            # Also reaps children the process may have left in its group.
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+@pytest.fixture
+def broker() -> Iterator[str]:
+    url = broker_url()
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def celery_procs(transactional_db, counters_prefix, broker, tmp_path) -> Iterator[CeleryProcs]:
+    """Worker and beat against the test database, this test's key prefix and broker."""
+    ensure_periodic_task(interval=1)
+    env = project_env(
+        CELERY_BROKER_URL=broker,
+        COUNTERS_KEY_PREFIX=counters_prefix,
+        DJANGO_SETTINGS_MODULE="config.settings",
+        LOG_LEVEL="INFO",
+    )
+    procs = CeleryProcs(env, tmp_path)
+    try:
+        procs.start(
+            "worker",
+            "--pool=solo",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            f"--hostname=e2e-{counters_prefix}@%h",
+        )
+        procs.start(
+            "beat",
+            "--scheduler=django_celery_beat.schedulers:DatabaseScheduler",
+            "--max-interval=1",
+        )
+        yield procs
+    finally:
+        procs.stop()
+        # pytest shows this ("Captured stdout teardown") only when the test fails.
+        print(procs.output())
+
+
+def wait_for(procs: CeleryProcs, what: str, condition: Callable[[], bool]) -> float:
+    """Poll ``condition`` until it holds; fail with the subprocess output if it does not."""
+    start = time.monotonic()
+    while not condition():
+        procs.check_alive()
+        if time.monotonic() - start > CONVERGE_TIMEOUT:
+            pytest.fail(f"not within {CONVERGE_TIMEOUT:.0f} s: {what} (celery output below)")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def converged(users, expected: list[int]) -> Callable[[], bool]:
+    def check() -> bool:
+        return [stored(u) for u in users] == expected
+
+    return check
+
+
+def test_beat_and_worker_keep_stored_counts_exact(celery_procs, make_user):
+    users = [make_user() for _ in range(3)]
+
+    # Round 1: creates, idempotent reads, a bulk read, deletes and a fan-out.
+    notes = {}
+    for i, user in enumerate(users):
+        notes[user.pk] = [
+            Notification.objects.create(recipient=user, verb=f"n{j}") for j in range(3 + i)
+        ]
+        assert notes[user.pk][0].mark_read() is True
+        # A stale instance of the same row: the second read changes nothing.
+        assert Notification.objects.get(pk=notes[user.pk][0].pk).mark_read() is False
+    assert Notification.objects.filter(recipient=users[0]).mark_all_read() == 2
+    Notification.objects.create(recipient=users[0], verb="after read-all")
+    notes[users[1].pk][1].delete()  # unread: -1
+    notes[users[1].pk][0].delete()  # read: 0
+    assert Notification.objects.notify(users, verb="fan-out") == 3
+    expected = [2, 3, 5]
+    assert [truth(u) for u in users] == expected
+
+    took = wait_for(celery_procs, "round 1 stored == truth", converged(users, expected))
+    first_batches = set(FlushBatch.objects.values_list("batch_id", flat=True))
+    assert first_batches, "the counters reached the truth without a ledgered flush batch"
+
+    # Round 2: the schedule keeps running; counts go up, down and to zero.
+    for _ in range(3):
+        Notification.objects.create(recipient=users[0], verb="more")
+    assert Notification.objects.filter(recipient=users[1]).delete()[0] == 3
+    assert Notification.objects.filter(recipient=users[2]).mark_all_read() == 5
+    Notification.objects.create(recipient=users[2], verb="last")
+    expected = [5, 0, 1]
+    assert [truth(u) for u in users] == expected
+
+    took += wait_for(celery_procs, "round 2 stored == truth", converged(users, expected))
+    print(f"stored counts converged in {took:.1f} s over two rounds")
+
+    for user in users:
+        # Nothing left buffered: the exact read equals the stored row and the truth.
+        assert (user.pk, UnreadCounter.objects.get_count(user)) == (user.pk, truth(user))
+        assert (user.pk, stored(user)) == (user.pk, truth(user))
+    batches = FlushBatch.objects.all()
+    assert set(batches.values_list("kind", flat=True)) == {FlushBatch.Kind.FLUSH}
+    assert set(batches.values_list("batch_id", flat=True)) - first_batches
