@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -138,8 +139,28 @@ def write_direct(deltas: Mapping[str, int], using: str, attempts: int = 3) -> No
 def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict[Any, int]:
     """Exact current values: stored row + pending + in-flight unless already applied.
 
+    If Redis is unreachable the stored rows are returned: changes made while
+    Redis is down are written to the rows directly, so they are the best answer
+    there is, and a page must not fail because of the buffer.
+    """
+    keys = list(dict.fromkeys(keys))
+    try:
+        parts = get_parts(name, keys, using=using)
+    except BufferUnavailable as exc:
+        logger.warning("%s; reading %s from the DB only", exc, name)
+        stored, _ = _read_rows(get_spec(name), keys, set(), using)
+        return {key: stored.get(key, 0) for key in keys}
+    return {key: stored + buffered for key, (stored, buffered) in parts.items()}
+
+
+def get_parts(
+    name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS
+) -> dict[Any, tuple[int, int]]:
+    """(stored, buffered) per key; their sum is the exact value.
+
     Redis is read before and after the DB; if a batch was moved or acknowledged
-    in between, the read is repeated, so a value is never counted twice or missed.
+    in between, the read is repeated, so a delta is never counted twice or
+    missed. Raises :class:`BufferUnavailable` when Redis cannot be reached.
     """
     spec = get_spec(name)
     keys = list(dict.fromkeys(keys))
@@ -148,28 +169,19 @@ def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS)
     members = {spec.member(k): k for k in keys}
     buffer = get_buffer()
     try:
-        return _exact_values(spec, members, buffer, using)
+        for _ in range(5):
+            snap = buffer.snapshot(members)
+            stored, applied = _read_rows(spec, keys, set(snap.inflight_ids.values()), using)
+            if buffer.generations(snap.gens) == snap.gens:
+                break
     except RedisError as exc:
-        # Changes made while Redis is down are written to the rows directly, so
-        # the rows are the best answer there is; the page must not fail.
-        logger.warning("Redis unreachable (%s); reading %s from the DB only", exc, name)
-        stored, _ = _read_rows(spec, keys, set(), using)
-        return {key: stored.get(key, 0) for key in keys}
-
-
-def _exact_values(spec, members: dict[str, Any], buffer: Buffer, using: str) -> dict[Any, int]:
-    keys = list(members.values())
-    for _ in range(5):
-        snap = buffer.snapshot(members)
-        stored, applied = _read_rows(spec, keys, set(snap.inflight_ids.values()), using)
-        if buffer.generations(snap.gens) == snap.gens:
-            break
-    values = {}
+        raise BufferUnavailable(conf.redis_url(), exc) from exc
+    parts = {}
     for member, key in members.items():
         shard = buffer.shard_of(member)
         inflight = 0 if snap.inflight_ids.get(shard) in applied else snap.inflight[member]
-        values[key] = stored.get(key, 0) + snap.pending[member] + inflight
-    return values
+        parts[key] = (stored.get(key, 0), snap.pending[member] + inflight)
+    return parts
 
 
 def get_value(name: str, key: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
@@ -221,18 +233,46 @@ def _read_rows(spec, keys: list, batch_ids: set[str], using: str) -> tuple[dict,
 def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
     """Flush every shard once with the configured settings; returns a FlushResult.
 
+    Records the result for ``counters_status``. If a shard lost its data and
+    ``COUNTERS_AUTO_REBUILD`` is on, rebuilds every counter that has a source.
     Raises :class:`BufferUnavailable` when Redis cannot be reached.
     """
     from .flusher import flush as run_flush
 
+    buffer = get_buffer()
     try:
-        return run_flush(
-            get_buffer(),
+        result = run_flush(
+            buffer,
             using=using,
             batch_size=conf.batch_size(),
             time_budget=conf.flush_time_budget() if time_budget is None else time_budget,
             lease_timeout=conf.lease_timeout(),
             retention=conf.ledger_retention(),
         )
+        record_flush(buffer, result)
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc
+    if result.lost_shards and conf.auto_rebuild():
+        rebuild_all(using=using)
+    return result
+
+
+def record_flush(buffer: Buffer, result) -> None:
+    """Keep the last flush's result in Redis for ``counters_status``."""
+    data = {k: json.dumps(v) for k, v in result.as_dict().items()}
+    data["at"] = json.dumps(time.time())
+    buffer.client.hset(f"{buffer.prefix}:last_flush", mapping=data)
+
+
+def rebuild_all(using: str = DEFAULT_DB_ALIAS) -> list:
+    """Rebuild every registered counter that has a truth source (after data loss)."""
+    from .rebuild import rebuild
+    from .registry import all_specs
+
+    reports = []
+    for spec in all_specs():
+        if spec.source is not None:
+            report = rebuild(spec.name, using=using)
+            logger.warning("automatic rebuild after Redis data loss: %s", report.summary())
+            reports.append(report)
+    return reports

@@ -10,6 +10,8 @@ each script touches one Redis Cluster slot)::
     <prefix>:{sN}:inflight       ZSET  the batch being applied, same shape
     <prefix>:{sN}:batch          HASH  id -> batch id, ts -> move time (ms)
     <prefix>:{sN}:gen            STR   bumped by every move and ack (read consistency)
+    <prefix>:{sN}:since          STR   ms time the pending set last became non-empty (lag)
+    <prefix>:{sN}:epoch          STR   token that vanishes if Redis loses its data (epoch.py)
     <prefix>:{sN}:lease          STR   flusher lease token (see lease.py)
     <prefix>:{sN}:push:<id>      STR   short-lived marker that makes a push idempotent
 """
@@ -29,7 +31,8 @@ from .exceptions import UnexpectedScriptReply
 # Add deltas to one shard's pending set at most once per push id; members that reach 0 are removed.
 PUSH_SCRIPT = """
 if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 0 end
-for i = 2, #ARGV, 2 do
+redis.call('SET', KEYS[3], ARGV[2], 'NX')
+for i = 3, #ARGV, 2 do
   if tonumber(redis.call('ZINCRBY', KEYS[1], ARGV[i + 1], ARGV[i])) == 0 then
     redis.call('ZREM', KEYS[1], ARGV[i])
   end
@@ -45,6 +48,7 @@ if current then
           redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')}
 end
 local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[2]))
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[5]) end
 if #popped == 0 then return {'empty'} end
 local items, chunk = {}, {}
 for i = 1, #popped, 2 do
@@ -143,7 +147,7 @@ class Buffer:
         return f"{self.prefix}:{{s{shard}}}:{name}"
 
     def _shard_keys(self, shard: int) -> list[str]:
-        return [self.key(shard, n) for n in ("pending", "inflight", "batch", "gen")]
+        return [self.key(shard, n) for n in ("pending", "inflight", "batch", "gen", "since")]
 
     def shard_of(self, member: str) -> int:
         return shard_of(member, self.shards)
@@ -168,12 +172,13 @@ class Buffer:
                 groups[self.shard_of(member)].extend((member, int(delta)))
         if not groups:
             return set()
+        now_ms = int(time.time() * 1000)
         pipe = self.client.pipeline(transaction=False)
         for shard, args in groups.items():
-            marker = self.key(shard, f"push:{push_id}")
+            keys = [self.key(shard, "pending"), self.key(shard, f"push:{push_id}")]
             self._push(
-                keys=[self.key(shard, "pending"), marker],
-                args=[PUSH_MARKER_TTL_MS, *args],
+                keys=[*keys, self.key(shard, "since")],
+                args=[PUSH_MARKER_TTL_MS, now_ms, *args],
                 client=pipe,
             )
         replies = pipe.execute()

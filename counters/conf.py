@@ -79,6 +79,12 @@ SETTINGS: dict[str, Setting] = {
             7 * 24 * 3600,
             "Seconds applied batch ids are kept in the FlushBatch ledger.",
         ),
+        Setting(
+            "COUNTERS_AUTO_REBUILD",
+            bool,
+            False,
+            "Rebuild every counter when a flush finds that Redis lost its data.",
+        ),
     )
 }
 
@@ -140,3 +146,7 @@ def socket_timeout() -> float:
 
 def ledger_retention() -> int:
     return get("COUNTERS_LEDGER_RETENTION")
+
+
+def auto_rebuild() -> bool:
+    return get("COUNTERS_AUTO_REBUILD")

@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from .apply import apply_deltas
 from .buffer import Batch, Buffer
+from .epoch import check_epoch
 from .lease import Lease
 from .models import FlushBatch
 
@@ -37,6 +38,7 @@ class FlushResult:
     recovered: int = 0
     already_applied: int = 0
     busy_shards: list[int] = field(default_factory=list)
+    lost_shards: list[int] = field(default_factory=list)
     incomplete: bool = False
     seconds: float = 0.0
 
@@ -54,6 +56,8 @@ class FlushResult:
             extras.append(f"{self.dropped} dropped")
         if self.busy_shards:
             extras.append(f"{len(self.busy_shards)} shards busy")
+        if self.lost_shards:
+            extras.append(f"REDIS LOST DATA in {len(self.lost_shards)} shards")
         if self.incomplete:
             extras.append("time budget reached")
         return text + (f" ({', '.join(extras)})" if extras else "")
@@ -113,6 +117,8 @@ def flush_shard(
         if not lease.held:
             result.busy_shards.append(shard)
             return
+        if check_epoch(buffer, shard, using):
+            result.lost_shards.append(shard)
         target = buffer.pending_count(shard)
         moved = 0
         while True:

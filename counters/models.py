@@ -28,3 +28,28 @@ class FlushBatch(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.batch_id} ({self.keys} keys)"
+
+
+class BufferEpoch(models.Model):
+    """The epoch marker each Redis shard should hold.
+
+    Redis holds a random token per shard; this row remembers it. When the
+    token in Redis is gone (Redis restarted empty) or differs, the deltas it
+    buffered were lost: the flush reports it and counts it here.
+    """
+
+    prefix = models.CharField(max_length=100)
+    shard = models.PositiveSmallIntegerField()
+    token = models.CharField(max_length=64)
+    started_at = models.DateTimeField(default=timezone.now)
+    losses = models.PositiveIntegerField(default=0)
+    last_loss_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["prefix", "shard"], name="counters_epoch_unique_shard")
+        ]
+        ordering = ["prefix", "shard"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix} shard {self.shard}: {self.token}"

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol
 
 from django.apps import apps
 from django.db import models
 
 from .exceptions import UnknownCounter
+
+
+class TruthSource(Protocol):
+    """Where a counter's true values come from, for rebuilds."""
+
+    def keys_after(self, after: Any | None, limit: int) -> list[Any]:
+        """Up to ``limit`` keys greater than ``after`` (None: from the start), in order.
+
+        Keyset pagination: never OFFSET, so the cost per page stays flat.
+        """
+        ...
+
+    def count_for(self, keys: list[Any]) -> dict[Any, int]:
+        """The true value of each key (keys left out are 0)."""
+        ...
+
+    def estimate(self) -> int:
+        """About how many keys ``keys_after`` will yield in all (for progress)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -25,6 +44,7 @@ class CounterSpec:
     model_label: str
     key_field: str = "pk"
     value_field: str = "count"
+    source: TruthSource | None = field(default=None, compare=False)
 
     @cached_property
     def model(self) -> type[models.Model]:
@@ -57,9 +77,17 @@ _registry: dict[str, CounterSpec] = {}
 
 
 def register(
-    name: str, model: str | type[models.Model], *, key_field: str = "pk", value_field: str = "count"
+    name: str,
+    model: str | type[models.Model],
+    *,
+    key_field: str = "pk",
+    value_field: str = "count",
+    source: TruthSource | None = None,
 ) -> CounterSpec:
     """Register a counter. ``model`` is a label ("app.Model") or a model class.
+
+    ``source`` tells rebuilds how to recompute the true values; a counter
+    without one can be flushed but not rebuilt.
 
     Registering the same name twice with the same arguments is harmless; with
     different arguments it is an error.
@@ -67,7 +95,7 @@ def register(
     if ":" in name:
         raise ValueError(f"counter name {name!r} must not contain ':'")
     label = model if isinstance(model, str) else model._meta.label
-    spec = CounterSpec(name, label, key_field, value_field)
+    spec = CounterSpec(name, label, key_field, value_field, source)
     existing = _registry.get(name)
     if existing is not None and existing != spec:
         raise ValueError(f"counter {name!r} is already registered as {existing}")

@@ -12,6 +12,12 @@ class NotificationsConfig(AppConfig):
     def ready(self) -> None:
         import counters
 
+        from .truth import UnreadTruth
+
         counters.register(
-            UNREAD_COUNTER, "notifications.UnreadCounter", key_field="user", value_field="count"
+            UNREAD_COUNTER,
+            "notifications.UnreadCounter",
+            key_field="user",
+            value_field="count",
+            source=UnreadTruth(),
         )

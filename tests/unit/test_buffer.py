@@ -12,7 +12,7 @@ from counters.buffer import PUSH_MARKER_TTL_MS, Buffer, shard_of
 
 PREFIX = "t"
 # With 4 shards: c:1, c:3 and c:8 live in shard 0, c:5 in shard 1, c:2 in shard 2, c:4 in shard 3.
-KEY_RE = re.compile(r"^t:\{s(\d+)\}:(pending|inflight|batch|gen|push:.+)$")
+KEY_RE = re.compile(r"^t:\{s(\d+)\}:(pending|inflight|batch|gen|since|epoch|lease|push:.+)$")
 
 
 @pytest.fixture
@@ -88,10 +88,21 @@ def test_every_key_of_a_shard_shares_its_hash_tag(buf, client):
         "t:{s2}:pending",
         "t:{s2}:push:p1",
         "t:{s2}:push:p2",
+        "t:{s2}:since",
         "t:{s3}:gen",
         "t:{s3}:push:p1",
     ]
     assert all(KEY_RE.match(k) for k in keys)
+
+
+def test_since_marks_when_a_shard_became_non_empty_and_clears_when_drained(buf, client):
+    buf.push({"c:1": 1}, "p1")
+    since = int(client.get("t:{s0}:since"))
+    buf.push({"c:1": 1}, "p2")
+    assert int(client.get("t:{s0}:since")) == since  # kept: the oldest delta is older
+    batch = buf.move(0, "b1", 10)
+    assert client.get("t:{s0}:since") is None
+    buf.ack(0, batch.batch_id)
 
 
 # -- push ---------------------------------------------------------------------------

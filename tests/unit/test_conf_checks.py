@@ -33,6 +33,7 @@ DEFAULTS = {
     "COUNTERS_LEASE_TIMEOUT": 30.0,
     "COUNTERS_SOCKET_TIMEOUT": 2.0,
     "COUNTERS_LEDGER_RETENTION": 604_800,
+    "COUNTERS_AUTO_REBUILD": False,
 }
 
 
@@ -194,7 +195,11 @@ def test_non_number_from_environment_is_an_error(monkeypatch, name, check_id):
 
 def test_every_positive_check_has_its_own_id():
     assert sorted(POSITIVE.values()) == [f"counters.E00{i}" for i in range(1, 8)]
-    assert set(POSITIVE) == set(conf.SETTINGS) - {"COUNTERS_REDIS_URL", "COUNTERS_KEY_PREFIX"}
+    assert set(POSITIVE) == set(conf.SETTINGS) - {
+        "COUNTERS_REDIS_URL",
+        "COUNTERS_KEY_PREFIX",
+        "COUNTERS_AUTO_REBUILD",
+    }
 
 
 def test_several_errors_are_reported_together(settings):

@@ -1,0 +1,143 @@
+"""Recompute counters from their source of truth and repair drift through the delta path.
+
+Keys are read in keyset-paginated pages (never OFFSET), so memory and the
+cost per page stay flat however many rows there are. For each page the exact
+value (stored + buffered) is compared with the truth. A difference is
+confirmed by another reading after a short delay, because a write that has
+committed but not yet reached Redis looks like drift for a moment; only the
+same difference seen twice in a row is repaired, by adding ``truth - exact``
+through ``add_many()`` like any other change. Writers and flushers can keep
+running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS
+
+from . import api, conf
+from .exceptions import CountersError
+from .registry import CounterSpec, get_spec
+from .utils import batched
+
+Progress = Callable[[int, int], None]
+
+#: Readings of a suspect key before it is given up as still changing.
+CONFIRM_ROUNDS = 5
+
+
+class NoTruthSource(CountersError):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"counter {name!r} has no truth source; it cannot be rebuilt")
+
+
+@dataclass(frozen=True)
+class Drift:
+    key: Any
+    stored: int
+    pending: int
+    truth: int
+
+    @property
+    def error(self) -> int:
+        return self.stored + self.pending - self.truth
+
+
+@dataclass
+class RebuildReport:
+    counter: str
+    dry_run: bool
+    checked: int = 0
+    wrong: list[Drift] = field(default_factory=list)
+    repaired: int = 0
+    unstable: list[Any] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        verb = "found" if self.dry_run else "repaired"
+        count = len(self.wrong) if self.dry_run else self.repaired
+        text = (
+            f"checked {self.checked} {self.counter} counters, {verb} {count} wrong "
+            f"in {self.seconds:.1f}s"
+        )
+        if self.unstable:
+            text += f"; {len(self.unstable)} kept changing, run again to check them"
+        return text
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["wrong"] = [asdict(d) for d in self.wrong]
+        return data
+
+
+def _pages(spec: CounterSpec, keys: Iterable[Any] | None, size: int) -> Iterator[list[Any]]:
+    if keys is not None:
+        yield from batched(keys, size)
+        return
+    after = None
+    while page := spec.source.keys_after(after, size):
+        yield page
+        after = page[-1]
+
+
+def _drifts(spec: CounterSpec, page: list[Any], using: str) -> dict[Any, Drift]:
+    parts = api.get_parts(spec.name, page, using=using)  # buffer first, then truth
+    truths = spec.source.count_for(page)
+    drifts = {}
+    for key in page:
+        stored, pending = parts[key]
+        truth = int(truths.get(key, 0))
+        if stored + pending != truth:
+            drifts[key] = Drift(key, stored, pending, truth)
+    return drifts
+
+
+def rebuild(
+    name: str,
+    *,
+    keys: Iterable[Any] | None = None,
+    dry_run: bool = False,
+    batch_size: int = 1000,
+    confirm_delay: float | None = None,
+    progress: Progress | None = None,
+    using: str = DEFAULT_DB_ALIAS,
+) -> RebuildReport:
+    """Check every key of counter ``name`` (or only ``keys``) and repair the wrong ones.
+
+    Raises :class:`BufferUnavailable` if Redis is down: without the buffered
+    deltas the exact values are unknown, and a repair would be a guess.
+    """
+    spec = get_spec(name)
+    if spec.source is None:
+        raise NoTruthSource(name)
+    if confirm_delay is None:
+        confirm_delay = 2 * conf.socket_timeout() + 0.2
+    keys = list(dict.fromkeys(keys)) if keys is not None else None
+    total = len(keys) if keys is not None else spec.source.estimate()
+    report = RebuildReport(counter=name, dry_run=dry_run)
+    started = time.monotonic()
+    for page in _pages(spec, keys, batch_size):
+        suspects = _drifts(spec, page, using)
+        for _ in range(CONFIRM_ROUNDS):
+            if not suspects:
+                break
+            time.sleep(confirm_delay)
+            again = _drifts(spec, list(suspects), using)
+            confirmed = {k: d for k, d in again.items() if suspects[k].error == d.error}
+            report.wrong.extend(confirmed.values())
+            if confirmed and not dry_run:
+                api.add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
+                report.repaired += len(confirmed)
+            # a key whose error moved is compared with its newest reading next round
+            suspects = {k: d for k, d in again.items() if k not in confirmed}
+        report.unstable.extend(suspects)
+        report.checked += len(page)
+        if progress is not None:
+            progress(report.checked, max(total, report.checked))
+    report.seconds = time.monotonic() - started
+    return report

@@ -1,0 +1,118 @@
+"""What the pipeline is doing now: per-shard backlog, batches in flight, leases, epochs."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from django.db.models import Count, Max, Sum
+
+from .buffer import Buffer
+from .models import BufferEpoch, FlushBatch
+
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
+    pipe = buffer.client.pipeline(transaction=False)
+    for shard in range(buffer.shards):
+        pipe.zcard(buffer.key(shard, "pending"))
+        pipe.get(buffer.key(shard, "since"))
+        pipe.hgetall(buffer.key(shard, "batch"))
+        pipe.zcard(buffer.key(shard, "inflight"))
+        pipe.get(buffer.key(shard, "lease"))
+        pipe.pttl(buffer.key(shard, "lease"))
+        pipe.get(buffer.key(shard, "epoch"))
+    replies = pipe.execute()
+    shards = []
+    for shard in range(buffer.shards):
+        pending, since, batch, inflight, lease, lease_ttl, epoch = replies[
+            7 * shard : 7 * shard + 7
+        ]
+        batch = {_text(k): _text(v) for k, v in batch.items()}
+        shards.append(
+            {
+                "shard": shard,
+                "pending_keys": pending,
+                "lag_seconds": round((now_ms - int(since)) / 1000, 3) if since else 0.0,
+                "inflight_batch": batch.get("id"),
+                "inflight_keys": inflight,
+                "inflight_age_seconds": (
+                    round((now_ms - int(batch["ts"])) / 1000, 3) if batch.get("ts") else None
+                ),
+                "lease_holder": (_text(lease) or "")[:8] or None,
+                "lease_expires_in": round(lease_ttl / 1000, 3) if lease_ttl > 0 else None,
+                "epoch": _text(epoch),
+            }
+        )
+    return shards
+
+
+def last_flush(buffer: Buffer) -> dict[str, Any] | None:
+    raw = buffer.client.hgetall(f"{buffer.prefix}:last_flush")
+    if not raw:
+        return None
+    data = {_text(k): json.loads(v) for k, v in raw.items()}
+    data["age_seconds"] = round(time.time() - data.pop("at"), 3)
+    return data
+
+
+def ledger_status(using: str = "default") -> dict[str, Any]:
+    rows = FlushBatch.objects.using(using)
+    by_kind = {
+        row["kind"]: row
+        for row in rows.values("kind").annotate(
+            batches=Count("pk"), dropped=Sum("dropped"), last=Max("applied_at")
+        )
+    }
+    fallback = by_kind.get(FlushBatch.Kind.FALLBACK, {})
+    flushed = by_kind.get(FlushBatch.Kind.FLUSH, {})
+    return {
+        "batches_in_ledger": flushed.get("batches", 0),
+        "last_batch_at": flushed["last"].isoformat() if flushed.get("last") else None,
+        "fallback_writes": fallback.get("batches", 0),
+        "last_fallback_at": fallback["last"].isoformat() if fallback.get("last") else None,
+        "dropped_keys": (flushed.get("dropped") or 0) + (fallback.get("dropped") or 0),
+    }
+
+
+def epoch_status(buffer: Buffer, shards: list[dict[str, Any]], using: str = "default") -> dict:
+    rows = {e.shard: e for e in BufferEpoch.objects.using(using).filter(prefix=buffer.prefix)}
+    unchecked = [
+        s["shard"] for s in shards if s["shard"] in rows and s["epoch"] != rows[s["shard"]].token
+    ]
+    losses = sum(e.losses for e in rows.values())
+    last = max((e.last_loss_at for e in rows.values() if e.last_loss_at), default=None)
+    if unchecked:
+        state = "lost"  # Redis lost data since the last flush saw it
+    elif losses:
+        state = "recovered"
+    else:
+        state = "ok"
+    return {
+        "state": state,
+        "shards_lost_since_last_flush": unchecked,
+        "losses": losses,
+        "last_loss_at": last.isoformat() if last else None,
+    }
+
+
+def gather(buffer: Buffer, using: str = "default") -> dict[str, Any]:
+    """Everything ``counters_status`` shows, as plain data."""
+    now_ms = int(time.time() * 1000)
+    shards = shard_status(buffer, now_ms)
+    return {
+        "prefix": buffer.prefix,
+        "shards": shards,
+        "totals": {
+            "pending_keys": sum(s["pending_keys"] for s in shards),
+            "inflight_batches": sum(1 for s in shards if s["inflight_batch"]),
+            "max_lag_seconds": max((s["lag_seconds"] for s in shards), default=0.0),
+        },
+        "last_flush": last_flush(buffer),
+        "ledger": ledger_status(using),
+        "epoch": epoch_status(buffer, shards, using),
+    }

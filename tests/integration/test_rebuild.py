@@ -1,0 +1,146 @@
+"""Rebuild: finds every wrong counter, repairs through the delta path, safe beside writers."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+
+import pytest
+from django.db import connection
+
+import counters
+from counters.rebuild import rebuild
+from notifications.models import Notification, UnreadCounter
+from tests.helpers import assert_exact, stored, truth
+from tests.procs import run_manage
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+
+
+@pytest.fixture
+def corrupted(make_user):
+    """Five users; the stored rows of two of them are wrong on purpose."""
+    users = [make_user() for _ in range(5)]
+    for i, user in enumerate(users):
+        for _ in range(i):
+            Notification.objects.create(recipient=user, verb="v")
+    counters.flush()
+    UnreadCounter.objects.filter(user=users[1]).update(count=40)  # raw SQL drift
+    UnreadCounter.objects.filter(user=users[3]).update(count=-2)
+    Notification.objects.create(recipient=users[3], verb="buffered")  # pending +1
+    return users
+
+
+def test_rebuild_reports_every_wrong_counter_and_repairs_it(corrupted):
+    users = corrupted
+    report = rebuild("unread", batch_size=2, confirm_delay=0.05)
+    wrong = {(d.key, d.stored, d.pending, d.truth) for d in report.wrong}
+    assert wrong == {(users[1].pk, 40, 0, 1), (users[3].pk, -2, 1, 4)}
+    assert report.repaired == 2
+    assert report.checked == 5
+    assert_exact(*users)
+
+
+def test_dry_run_repairs_nothing(corrupted):
+    users = corrupted
+    report = rebuild("unread", dry_run=True, confirm_delay=0.05)
+    assert len(report.wrong) == 2 and report.repaired == 0
+    assert UnreadCounter.objects.get_count(users[1]) == 40
+
+
+def test_rebuild_of_selected_users_only(corrupted):
+    users = corrupted
+    report = rebuild("unread", keys=[users[1].pk, users[2].pk], confirm_delay=0.05)
+    assert [d.key for d in report.wrong] == [users[1].pk]
+    assert report.checked == 2
+    assert UnreadCounter.objects.get_count(users[3]) == 40 - 40 - 2 + 1  # untouched: -1
+
+
+def test_command_dry_run_exits_3_with_one_json_line_per_wrong_counter(corrupted):
+    users = corrupted
+    code, out, err = run_manage("notification_rebuild_counters", "--dry-run")
+    assert code == 3, err
+    lines = out.strip().splitlines()
+    rows = [json.loads(line) for line in lines[:-1]]
+    assert sorted(rows, key=lambda r: r["user"]) == [
+        {"user": users[1].pk, "stored": 40, "pending": 0, "truth": 1},
+        {"user": users[3].pk, "stored": -2, "pending": 1, "truth": 4},
+    ]
+    assert lines[-1].startswith("checked 5 unread counters, found 2 wrong")
+    assert "checked 5/5 counters (100%)" in err  # plain progress lines when not a TTY
+
+
+def test_command_repairs_then_finds_nothing(corrupted):
+    users = corrupted
+    code, out, _ = run_manage("notification_rebuild_counters", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert (data["repaired"], data["checked"]) == (2, 5)
+    code, out, _ = run_manage(
+        "notification_rebuild_counters", "--dry-run", "--user", str(users[1].pk)
+    )
+    assert code == 0
+    assert out.strip().endswith("found 0 wrong in " + out.strip().split(" in ")[-1])
+    assert_exact(*users)
+
+
+def test_command_refuses_to_guess_when_redis_is_down(corrupted):
+    from tests.procs import project_env
+
+    code, _, err = run_manage(
+        "notification_rebuild_counters", env=project_env(COUNTERS_REDIS_URL="redis://127.0.0.1:1/0")
+    )
+    assert code == 1
+    assert err.strip().splitlines()[-1].startswith("CommandError: Redis unreachable")
+
+
+def test_rebuild_while_writers_and_flushes_run_repairs_without_new_drift(make_user):
+    users = [make_user() for _ in range(8)]
+    for user in users:
+        for _ in range(3):
+            Notification.objects.create(recipient=user, verb="v")
+    counters.flush()
+    for user in users[::2]:
+        UnreadCounter.objects.filter(user=user).update(count=100)
+    stop = threading.Event()
+    errors = []
+
+    def writer(seed):
+        rnd = random.Random(seed)
+        try:
+            while not stop.is_set():
+                user = rnd.choice(users)
+                action = rnd.random()
+                if action < 0.4:
+                    Notification.objects.create(recipient=user, verb="w")
+                elif action < 0.7:
+                    n = Notification.objects.filter(recipient=user).order_by("?").first()
+                    if n:
+                        n.mark_read() if rnd.random() < 0.7 else n.mark_unread()
+                elif action < 0.8:
+                    Notification.objects.filter(recipient=user).mark_all_read()
+                elif action < 0.9:
+                    n = Notification.objects.filter(recipient=user).first()
+                    if n:
+                        n.delete()
+                else:
+                    counters.flush()
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        report = rebuild("unread", batch_size=3, confirm_delay=0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert errors == []
+    assert report.repaired >= 1
+    assert_exact(*users)
+    assert [stored(u) for u in users] == [truth(u) for u in users]
