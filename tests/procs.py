@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 from django.conf import settings
 from django.db import connection
@@ -19,7 +20,10 @@ def database_url() -> str:
     if connection.vendor == "postgresql":
         host = s.get("HOST") or "127.0.0.1"
         port = s.get("PORT") or 5432
-        return f"postgres://{s.get('USER') or ''}@{host}:{port}/{s['NAME']}"
+        user = quote(s.get("USER") or "")
+        if s.get("PASSWORD"):
+            user += ":" + quote(s["PASSWORD"])
+        return f"postgres://{user}@{host}:{port}/{s['NAME']}"
     if connection.vendor == "sqlite":
         return f"sqlite:///{s['NAME']}"
     raise NotImplementedError(connection.vendor)
