@@ -1,0 +1,212 @@
+"""JSON API for the logged-in user's notifications (session authentication with CSRF).
+
+Every response is JSON and never cached. Errors are ``{"error": "..."}`` with
+401 when not logged in, 403 for a failed CSRF check, 404 for a notification
+that does not exist or belongs to someone else, 400 for a malformed id,
+parameter or body, and 405 (with ``Allow``) for a wrong method. The OpenAPI
+document (:mod:`notifications.openapi`) describes all of it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+from urllib.parse import urlencode
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.middleware.csrf import CsrfViewMiddleware
+from django.urls import Resolver404, resolve, reverse
+from django.views.decorators.cache import never_cache
+from django.views.decorators.csrf import csrf_exempt
+
+from . import inbox
+from .inbox import BadInput
+from .models import Notification
+from .openapi import document
+
+View = Callable[..., HttpResponse]
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
+def error(status: int, message: str) -> JsonResponse:
+    return JsonResponse({"error": message}, status=status)
+
+
+class _CsrfCheck(CsrfViewMiddleware):
+    """Django's CSRF check, answering a failure with a JSON 403 instead of an HTML page."""
+
+    def _reject(self, request: HttpRequest, reason: str) -> JsonResponse:
+        return error(403, f"CSRF check failed: {reason}")
+
+
+def csrf_failure(request: HttpRequest) -> HttpResponse | None:
+    """The 403 response if the request fails Django's CSRF check, else None."""
+    check = _CsrfCheck(lambda req: HttpResponse())
+    check.process_request(request)
+    return check.process_view(request, None, (), {})
+
+
+def endpoint(*methods: str, public: bool = False) -> Callable[[View], View]:
+    """Method check (405), session authentication (401), CSRF check (403), no caching."""
+
+    def decorate(view: View) -> View:
+        @wraps(view)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if request.method not in methods:
+                response = error(405, f"method {request.method} is not allowed here")
+                response["Allow"] = ", ".join(methods)
+                return response
+            if not public:
+                if not request.user.is_authenticated:
+                    return error(401, "authentication required")
+                if request.method not in SAFE_METHODS:
+                    rejected = csrf_failure(request)
+                    if rejected is not None:
+                        return rejected
+            try:
+                return view(request, *args, **kwargs)
+            except BadInput as exc:
+                return error(400, exc.message if exc.param == "body" else str(exc))
+            except Notification.DoesNotExist:
+                return error(404, "no such notification")
+
+        return csrf_exempt(never_cache(wrapper))
+
+    return decorate
+
+
+def serialize(n: Notification) -> dict[str, Any]:
+    return {
+        "id": n.pk,
+        "verb": n.verb,
+        "description": n.description,
+        "actor": n.actor.get_username() if n.actor_id else None,
+        "created_at": n.created_at.isoformat(),
+        "is_read": n.is_read,
+        "read_at": n.read_at.isoformat() if n.read_at else None,
+        "url": reverse("notifications:api-detail", args=[n.pk]),
+    }
+
+
+def _page_url(request: HttpRequest, number: int, size: int, unread: bool | None) -> str:
+    query: dict[str, Any] = {"page": number, "page_size": size}
+    if unread is not None:
+        query["unread"] = "true" if unread else "false"
+    return f"{request.path}?{urlencode(query)}"
+
+
+@endpoint("GET")
+def notification_list(request: HttpRequest) -> JsonResponse:
+    number = inbox.parse_int(request.GET.get("page"), "page", default=1, maximum=inbox.MAX_PAGE)
+    size = inbox.parse_int(
+        request.GET.get("page_size"),
+        "page_size",
+        default=inbox.DEFAULT_PAGE_SIZE,
+        maximum=inbox.MAX_PAGE_SIZE,
+    )
+    unread = inbox.parse_bool(request.GET.get("unread"), "unread")
+    qs = inbox.own(request.user)
+    if unread is not None:
+        qs = qs.filter(is_read=not unread)
+    page = inbox.page_of(qs, number, size)
+    return JsonResponse(
+        {
+            "results": [serialize(n) for n in page.items],
+            "page": page.number,
+            "page_size": page.size,
+            "next": _page_url(request, number + 1, size, unread) if page.has_next else None,
+            "previous": _page_url(request, number - 1, size, unread) if page.has_previous else None,
+            "unread": inbox.unread_count(request.user),
+        }
+    )
+
+
+@endpoint("GET")
+def unread_count(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"unread": inbox.unread_count(request.user)})
+
+
+@endpoint("GET", "DELETE")
+def notification_detail(request: HttpRequest, raw_id: str) -> JsonResponse:
+    n = inbox.get_own(request.user, inbox.parse_id(raw_id))
+    if request.method == "GET":
+        return JsonResponse(serialize(n))
+    pk = n.pk
+    n.delete()
+    return JsonResponse({"id": pk, "deleted": True, "unread": inbox.unread_count(request.user)})
+
+
+def _set_read(request: HttpRequest, raw_id: str, value: bool) -> JsonResponse:
+    n = inbox.get_own(request.user, inbox.parse_id(raw_id))
+    changed = n.mark_read() if value else n.mark_unread()
+    n.refresh_from_db(fields=["is_read", "read_at"])
+    return JsonResponse(
+        {
+            "notification": serialize(n),
+            "changed": changed,
+            "unread": inbox.unread_count(request.user),
+        }
+    )
+
+
+@endpoint("POST")
+def mark_read(request: HttpRequest, raw_id: str) -> JsonResponse:
+    return _set_read(request, raw_id, True)
+
+
+@endpoint("POST")
+def mark_unread(request: HttpRequest, raw_id: str) -> JsonResponse:
+    return _set_read(request, raw_id, False)
+
+
+def _json_object(request: HttpRequest) -> dict[str, Any]:
+    """The request body as a JSON object; an empty body is ``{}``."""
+    try:
+        body = request.body
+    except RequestDataTooBig as exc:
+        raise BadInput("body", "request body is too large") from exc
+    if not body.strip():
+        return {}
+    if request.content_type != "application/json":
+        raise BadInput("body", "request body must be JSON (Content-Type: application/json)")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise BadInput("body", "request body is not valid JSON") from exc
+    if not isinstance(data, dict):
+        raise BadInput("body", "request body must be a JSON object")
+    return data
+
+
+@endpoint("POST")
+def read_all(request: HttpRequest) -> JsonResponse:
+    data = _json_object(request)
+    unknown = sorted(set(data) - {"until_id"})
+    if unknown:
+        raise BadInput("body", f"unknown field(s): {', '.join(unknown)}")
+    until_id = data.get("until_id")
+    if until_id is not None and (type(until_id) is not int or not 1 <= until_id <= inbox.MAX_ID):
+        raise BadInput("body", f"until_id must be an integer from 1 to {inbox.MAX_ID} or null")
+    changed = inbox.mark_all_read(request.user, until_id)
+    return JsonResponse({"changed": changed, "unread": inbox.unread_count(request.user)})
+
+
+@endpoint("GET", public=True)
+def openapi(request: HttpRequest) -> JsonResponse:
+    return JsonResponse(document())
+
+
+@endpoint("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", public=True)
+def not_found(request: HttpRequest, rest: str) -> JsonResponse:
+    """Any other path under /api/: a JSON 404, with a hint when only the final slash is missing."""
+    if not request.path_info.endswith("/"):
+        try:
+            match = resolve(request.path_info + "/")
+        except Resolver404:
+            match = None
+        if match is not None and match.func is not not_found:
+            return error(404, f"not found; did you mean {request.path}/ ?")
+    return error(404, "not found")
