@@ -178,3 +178,25 @@ def test_nested_atomic_sends_surviving_deltas_once_at_outer_commit(make_user):
         assert counters.get_value("unread", alice.pk) == 0
     assert UnreadCounter.objects.get_count(alice) == truth(alice) == 2
     assert_exact(alice)
+
+
+def test_bulk_update_goes_through_the_counted_update(make_user):
+    alice, bob = make_user(), make_user()
+    notes = [Notification.objects.create(recipient=alice, verb=str(i)) for i in range(4)]
+    notes[0].is_read = True
+    notes[1].recipient = bob
+    notes[2].is_read, notes[2].recipient = True, bob
+    assert Notification.objects.bulk_update(notes, ["is_read", "recipient"], batch_size=2) == 4
+    assert UnreadCounter.objects.get_counts([alice, bob]) == {alice.pk: 1, bob.pk: 1}
+    assert_exact(alice, bob)
+
+
+def test_get_or_create_and_update_or_create_are_counted(make_user):
+    alice = make_user()
+    n, created = Notification.objects.get_or_create(recipient=alice, verb="once")
+    assert created
+    assert Notification.objects.get_or_create(recipient=alice, verb="once")[1] is False
+    Notification.objects.update_or_create(pk=n.pk, defaults={"is_read": True})
+    Notification.objects.update_or_create(recipient=alice, verb="new", defaults={"is_read": False})
+    assert UnreadCounter.objects.get_count(alice) == truth(alice) == 1
+    assert_exact(alice)
