@@ -17,7 +17,7 @@ from redis.retry import Retry
 
 from . import conf, outbox
 from .buffer import Buffer
-from .exceptions import BufferUnavailable
+from .exceptions import BufferUnavailable, FlushFailed
 from .registry import get_spec
 
 logger = logging.getLogger(__name__)
@@ -235,7 +235,8 @@ def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
 
     Records the result for ``counters_status``. If a shard lost its data and
     ``COUNTERS_AUTO_REBUILD`` is on, rebuilds every counter that has a source.
-    Raises :class:`BufferUnavailable` when Redis cannot be reached.
+    Raises :class:`BufferUnavailable` when Redis cannot be reached and
+    :class:`FlushFailed` (carrying the result) when some shards failed.
     """
     from .flusher import flush as run_flush
 
@@ -254,6 +255,8 @@ def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
         raise BufferUnavailable(conf.redis_url(), exc) from exc
     if result.lost_shards and conf.auto_rebuild():
         rebuild_all(using=using)
+    if result.failed_shards:
+        raise FlushFailed(result, result.failed_shards)
     return result
 
 

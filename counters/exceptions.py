@@ -29,3 +29,17 @@ class UnexpectedScriptReply(CountersError):
         self.script = script
         self.reply = reply
         super().__init__(f"{script} returned unexpected {reply!r}")
+
+
+class FlushFailed(CountersError):
+    """Some shards could not be flushed; ``result`` tells what the others did.
+
+    ``errors`` maps each failed shard to the first line of its error. Their
+    batches stay in flight and the next flush retries them.
+    """
+
+    def __init__(self, result: object, errors: dict[int, str]) -> None:
+        self.result = result
+        self.errors = errors
+        shard, message = next(iter(sorted(errors.items())))
+        super().__init__(f"flush failed in {len(errors)} shard(s); shard {shard}: {message}")

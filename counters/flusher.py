@@ -17,7 +17,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, connections, transaction
 from django.utils import timezone
 
 from .apply import apply_deltas
@@ -39,6 +39,7 @@ class FlushResult:
     already_applied: int = 0
     busy_shards: list[int] = field(default_factory=list)
     lost_shards: list[int] = field(default_factory=list)
+    failed_shards: dict[int, str] = field(default_factory=dict)
     incomplete: bool = False
     seconds: float = 0.0
 
@@ -56,6 +57,8 @@ class FlushResult:
             extras.append(f"{self.dropped} dropped")
         if self.busy_shards:
             extras.append(f"{len(self.busy_shards)} shards busy")
+        if self.failed_shards:
+            extras.append(f"{len(self.failed_shards)} shards failed")
         if self.lost_shards:
             extras.append(f"REDIS LOST DATA in {len(self.lost_shards)} shards")
         if self.incomplete:
@@ -172,15 +175,24 @@ def flush(
     shards = list(range(buffer.shards))
     offset = random.randrange(len(shards))  # fairness when the time budget runs out
     for shard in shards[offset:] + shards[:offset]:
-        flush_shard(
-            buffer,
-            shard,
-            using=using,
-            batch_size=batch_size,
-            lease_timeout=lease_timeout,
-            deadline=deadline,
-            result=result,
-        )
+        try:
+            flush_shard(
+                buffer,
+                shard,
+                using=using,
+                batch_size=batch_size,
+                lease_timeout=lease_timeout,
+                deadline=deadline,
+                result=result,
+            )
+        except DatabaseError as exc:
+            if not connections[using].is_usable():
+                raise  # the database is gone: no other shard can do better
+            # One shard's failure (a poison batch, a deadlock) must not hold up
+            # the others; its batch stays in flight for the next flush.
+            logger.exception("flush of shard %s failed; its batch stays in flight", shard)
+            lines = str(exc).strip().splitlines()
+            result.failed_shards[shard] = lines[0] if lines else type(exc).__name__
     if retention is not None:
         prune_ledger(buffer, using, retention)
     result.seconds = time.monotonic() - started

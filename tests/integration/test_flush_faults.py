@@ -11,6 +11,7 @@ from django.db import DatabaseError, connection
 import counters
 from counters import api, flusher
 from counters.buffer import Buffer
+from counters.exceptions import FlushFailed
 from counters.flusher import FlushResult, apply_batch
 from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
@@ -37,7 +38,7 @@ def test_flush_that_dies_after_the_move_is_recovered_by_the_next(users_with_noti
     users = users_with_notifications
     with (
         mock.patch.object(flusher, "apply_deltas", side_effect=DatabaseError("boom")),
-        pytest.raises(DatabaseError),
+        pytest.raises(FlushFailed),
     ):
         counters.flush()
     assert inflight_ids(), "the batch must stay in flight"
@@ -84,7 +85,7 @@ def test_flush_that_dies_mid_transaction_applies_nothing_then_everything(
 
     with (
         mock.patch.object(apply_module, "apply_spec", side_effect=half_then_fail),
-        pytest.raises(DatabaseError),
+        pytest.raises(FlushFailed),
     ):
         counters.flush()
     assert [stored(u) for u in users] == [0] * 5, "the partial updates were rolled back"
@@ -151,4 +152,30 @@ def test_concurrent_flushes_share_the_shards_through_leases(make_user):
         held.release()
     counters.flush()
     assert UnreadCounter.objects.count() == 20
+    assert_exact(*users)
+
+
+def test_a_failing_shard_does_not_hold_up_the_others(make_user):
+    users = [make_user() for _ in range(12)]
+    for user in users:
+        Notification.objects.create(recipient=user, verb="v")
+    buffer = api.get_buffer()
+    poisoned = buffer.shard_of(f"unread:{users[0].pk}")
+    real = flusher.apply_deltas
+
+    def fail_one_shard(deltas, using):
+        if any(buffer.shard_of(member) == poisoned for member in deltas):
+            raise DatabaseError("value out of range")
+        return real(deltas, using)
+
+    with (
+        mock.patch.object(flusher, "apply_deltas", side_effect=fail_one_shard),
+        pytest.raises(FlushFailed) as info,
+    ):
+        counters.flush()
+    assert info.value.errors == {poisoned: "value out of range"}
+    healthy = [u for u in users if buffer.shard_of(f"unread:{u.pk}") != poisoned]
+    assert info.value.result.keys == len(healthy)
+    assert [stored(u) for u in healthy] == [1] * len(healthy)
+    assert stored(users[0]) == 0
     assert_exact(*users)

@@ -12,7 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 import counters
-from counters.exceptions import BufferUnavailable
+from counters.exceptions import BufferUnavailable, FlushFailed
 
 
 class Command(BaseCommand):
@@ -34,7 +34,7 @@ class Command(BaseCommand):
             raise CommandError("--time-budget must be greater than 0")
         try:
             result = counters.flush(using=options["database"], time_budget=budget)
-        except BufferUnavailable as exc:
+        except (BufferUnavailable, FlushFailed) as exc:
             raise CommandError(str(exc)) from exc
         except DatabaseError as exc:
             first_line = (
