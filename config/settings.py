@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import dj_database_url
 
@@ -130,8 +131,11 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def _redis_db(url: str, db: int) -> str:
-    base, _, tail = url.rpartition("/")
-    return f"{base}/{db}" if base.startswith("redis") and tail.isdigit() else url
+    """``url`` pointing at database ``db`` of the same Redis server."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        return url
+    return urlunsplit(parts._replace(path=f"/{db}"))
 
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", _redis_db(REDIS_URL, 1))
