@@ -1,0 +1,64 @@
+"""Sizes and durations of one bench run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+SECTIONS = ("writes", "flush", "reads", "memory")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    processes: int = 8
+    #: Length of one measured write run, in seconds.
+    seconds: float = 2.0
+    #: Interleaved rounds of every (workload, mode) pair.
+    rounds: int = 3
+    #: Unrecorded run of every pair before the first round, in seconds.
+    warmup: float = 0.5
+    spread_users: int = 10_000
+    flush_keys: int = 100_000
+    flush_rounds: int = 2
+    read_notifications: int = 1_000_000
+    read_unread: int = 10_000
+    read_samples: int = 200
+    memory_small: int = 10_000
+    memory_large: int = 1_000_000
+    quick: bool = False
+
+    @classmethod
+    def full(cls, **overrides: Any) -> BenchConfig:
+        return replace(cls(), **overrides)
+
+    @classmethod
+    def quick_run(cls, **overrides: Any) -> BenchConfig:
+        """Sizes for CI: every figure, in a few seconds."""
+        small = cls(
+            seconds=0.3,
+            rounds=1,
+            warmup=0.1,
+            spread_users=1_000,
+            flush_keys=2_000,
+            flush_rounds=1,
+            read_notifications=20_000,
+            read_unread=1_000,
+            read_samples=20,
+            memory_small=500,
+            memory_large=5_000,
+            quick=True,
+        )
+        return replace(small, **overrides)
+
+    def users_needed(self, sections: tuple[str, ...]) -> int:
+        """Bench users the chosen sections key their counters on."""
+        sizes = [1]
+        if "writes" in sections:
+            sizes.append(self.spread_users)
+        if "flush" in sections:
+            sizes.append(self.flush_keys)
+        if "reads" in sections:
+            sizes.append(self.spread_users)
+        if "memory" in sections:
+            sizes.append(self.memory_large)
+        return max(sizes)

@@ -1,0 +1,178 @@
+"""The bench's own data: users named ``<prefix>-u<i>``, their counter rows and notifications.
+
+Rows are written with set-based SQL (a recursive CTE works on PostgreSQL and
+SQLite alike) so a million of them take seconds, and deleted the same way.
+"""
+
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django.db import connection
+from django.db.models import AutoField, BigAutoField, SmallAutoField
+from django.utils import timezone
+from redis import Redis
+
+from counters.buffer import Buffer
+from counters.models import BufferEpoch
+
+from ..models import Notification, UnreadCounter
+
+_AUTO = (AutoField, BigAutoField, SmallAutoField)
+
+#: Keys of a shard that hold pending deltas (and when they started to pile up).
+PENDING_KEYS = ("pending", "since")
+
+
+def _qn(name: str) -> str:
+    return connection.ops.quote_name(name)
+
+
+def _series(count: int) -> str:
+    """A CTE ``s(i)`` holding 0 .. count - 1 (needs one ``%s`` parameter: count - 1)."""
+    return "s(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM s WHERE i < %s)"
+
+
+def user_pattern(prefix: str) -> str:
+    return f"{prefix}-u%"
+
+
+def _user_columns() -> tuple[str, str, str]:
+    """(table, id column, username column) of the user model, quoted."""
+    meta = get_user_model()._meta
+    username = meta.get_field(get_user_model().USERNAME_FIELD)
+    return _qn(meta.db_table), _qn(meta.pk.column), _qn(username.column)
+
+
+def _column(model: type, field: str) -> str:
+    return _qn(model._meta.get_field(field).column)
+
+
+def create_users(prefix: str, count: int) -> list[int]:
+    """Insert ``count`` users ``<prefix>-u<i>`` with unusable passwords; their ids in order."""
+    model = get_user_model()
+    columns, values, params = [], [], []
+    for field in model._meta.concrete_fields:
+        if field.primary_key and isinstance(field, _AUTO):
+            continue
+        columns.append(_qn(field.column))
+        if field.name == model.USERNAME_FIELD:
+            values.append("%s || CAST(s.i AS TEXT)")
+            params.append(f"{prefix}-u")
+        else:
+            value = "!" if field.name == "password" else field.get_default()
+            values.append("%s")
+            params.append(field.get_db_prep_save(value, connection))
+    sql = (
+        f"WITH RECURSIVE {_series(count)} "
+        f"INSERT INTO {_qn(model._meta.db_table)} ({', '.join(columns)}) "
+        f"SELECT {', '.join(values)} FROM s"
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [count - 1, *params])
+    users = model._default_manager.filter(**{f"{model.USERNAME_FIELD}__startswith": f"{prefix}-u"})
+    return list(users.order_by("pk").values_list("pk", flat=True))
+
+
+def create_user(username: str) -> int:
+    model = get_user_model()
+    user = model(**{model.USERNAME_FIELD: username})
+    user.set_unusable_password()
+    user.save()
+    return user.pk
+
+
+def create_counters(prefix: str, user_ids: list[int] | None = None) -> None:
+    """A zero counter row for every bench user (or the given ones): the steady state."""
+    if user_ids is not None:
+        UnreadCounter.objects.bulk_create([UnreadCounter(user_id=pk, count=0) for pk in user_ids])
+        return
+    user_table, user_id, username = _user_columns()
+    columns = f"{_column(UnreadCounter, 'user')}, {_column(UnreadCounter, 'count')}"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {_qn(UnreadCounter._meta.db_table)} ({columns}) "
+            f"SELECT {user_id}, 0 FROM {user_table} WHERE {username} LIKE %s",
+            [user_pattern(prefix)],
+        )
+
+
+def insert_notifications(
+    recipient: int, unread: int, others: int, prefix: str, read_every: int = 2
+) -> None:
+    """``unread`` unread notifications for ``recipient`` and ``others`` spread over bench users.
+
+    Every ``read_every``-th notification of the others is read.
+    """
+    table = _qn(Notification._meta.db_table)
+    user_table, user_id, username = _user_columns()
+    fields = ("recipient", "verb", "description", "created_at", "is_read")
+    columns = ", ".join(_column(Notification, f) for f in fields)
+    now = Notification._meta.get_field("created_at").get_db_prep_value(timezone.now(), connection)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH RECURSIVE {_series(unread)} "
+            f"INSERT INTO {table} ({columns}) SELECT %s, 'bench', '', %s, %s FROM s",
+            [unread - 1, recipient, now, False],
+        )
+        if others <= 0:
+            return
+        cursor.execute(
+            f"SELECT COUNT(*) FROM {user_table} WHERE {username} LIKE %s", [user_pattern(prefix)]
+        )
+        (users,) = cursor.fetchone()
+        cursor.execute(
+            f"WITH RECURSIVE {_series(others)}, "
+            f"u(id, rn) AS (SELECT {user_id}, ROW_NUMBER() OVER (ORDER BY {user_id}) - 1 "
+            f"FROM {user_table} WHERE {username} LIKE %s) "
+            f"INSERT INTO {table} ({columns}) "
+            f"SELECT u.id, 'bench', '', %s, (s.i %% %s = 0) FROM s JOIN u ON u.rn = s.i %% %s",
+            [others - 1, user_pattern(prefix), now, read_every, users],
+        )
+
+
+def analyze(table: str) -> None:
+    """Fresh planner statistics (and, on PostgreSQL, a visibility map) for ``table``."""
+    if connection.in_atomic_block:
+        return
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"VACUUM ANALYZE {_qn(table)}")
+        else:
+            cursor.execute(f"ANALYZE {_qn(table)}")
+
+
+def delete_bench_data(prefix: str) -> None:
+    """Delete the bench users with their notifications and counter rows."""
+    user_table, user_id, username = _user_columns()
+    users = f"SELECT {user_id} FROM {user_table} WHERE {username} LIKE %s"
+    pattern = [f"{prefix}-%"]
+    notifications = _qn(Notification._meta.db_table)
+    counters = _qn(UnreadCounter._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {notifications} WHERE {_column(Notification, 'recipient')} IN ({users})",
+            pattern,
+        )
+        cursor.execute(
+            f"DELETE FROM {counters} WHERE {_column(UnreadCounter, 'user')} IN ({users})", pattern
+        )
+        cursor.execute(f"DELETE FROM {user_table} WHERE {username} LIKE %s", pattern)
+
+
+def clear_pending(buffer: Buffer) -> None:
+    """Drop every pending delta of ``buffer`` (the bench's own prefix) without flushing it."""
+    keys = [buffer.key(shard, name) for shard in range(buffer.shards) for name in PENDING_KEYS]
+    buffer.client.delete(*keys)
+
+
+def delete_epochs(prefix: str) -> None:
+    """The epoch rows flushes of the bench prefix remembered in the DB."""
+    BufferEpoch.objects.filter(prefix=prefix).delete()
+
+
+def delete_prefix(client: Redis, prefix: str) -> int:
+    """Delete every Redis key under ``prefix``; how many there were."""
+    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    for i in range(0, len(keys), 500):
+        client.delete(*keys[i : i + 500])
+    return len(keys)

@@ -1,0 +1,148 @@
+"""Targets, the machine, and the results as a table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sqlite3
+from dataclasses import dataclass
+
+import django
+from django.db import connection
+from redis import Redis
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    path: tuple[str, ...]
+    op: str
+    threshold: float
+
+    def check(self, results: dict) -> dict | None:
+        value = results
+        for part in self.path:
+            if not isinstance(value, dict) or part not in value:
+                return None
+            value = value[part]
+        met = value >= self.threshold if self.op == ">=" else value <= self.threshold
+        return {
+            "name": self.name,
+            "value": value,
+            "op": self.op,
+            "threshold": self.threshold,
+            "met": met,
+        }
+
+
+TARGETS = (
+    Target("tally/off spread", ("writes", "spread", "tally_off"), ">=", 0.9),
+    Target("tally/off hot", ("writes", "hot", "tally_off"), ">=", 0.9),
+    Target("tally/naive hot", ("writes", "hot", "tally_naive"), ">=", 3.0),
+    Target("flush/raw SQL", ("flush", "flush_raw"), ">=", 0.5),
+    Target("flusher RSS growth (MB)", ("memory", "growth_mb"), "<=", 50.0),
+)
+
+
+def targets(results: dict) -> list[dict]:
+    return [checked for t in TARGETS if (checked := t.check(results)) is not None]
+
+
+def _memory_mb() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return None
+
+
+def _database_version() -> str:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW server_version")
+            return f"PostgreSQL {cursor.fetchone()[0]}"
+    if connection.vendor == "sqlite":
+        return f"SQLite {sqlite3.sqlite_version}"
+    return connection.display_name
+
+
+def machine(client: Redis) -> dict:
+    return {
+        "nproc": os.cpu_count(),
+        "memory_mb": _memory_mb(),
+        "database": _database_version(),
+        "redis": f"Redis {client.info('server')['redis_version']}",
+        "python": platform.python_version(),
+        "django": django.get_version(),
+    }
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def render(results: dict) -> str:
+    m = results["machine"]
+    cfg = results["config"]
+    lines = [
+        f"counters_bench: {m['database']}, {m['redis']}, {m['nproc']} CPUs, "
+        f"{m['memory_mb']} MB RAM, Python {m['python']}, Django {m['django']}",
+    ]
+    if results["debug"]:
+        lines.append("note: DEBUG is on, so every query is logged; publish with DEBUG=0")
+    if "writes" in results:
+        w = results["writes"]
+        lines += [
+            "",
+            f"writes: ops/s, {cfg['processes']} writer processes, median of {cfg['rounds']} "
+            f"interleaved rounds of {cfg['seconds']}s   (load {_load(w['load'])})",
+            f"{'workload':<10}{'off':>10}{'naive':>10}{'tally':>10}"
+            f"{'tally/off':>11}{'tally/naive':>13}",
+        ]
+        for name in ("spread", "hot"):
+            r = w[name]
+            lines.append(
+                f"{name:<10}{r['off_ops_per_s']:>10.0f}{r['naive_ops_per_s']:>10.0f}"
+                f"{r['tally_ops_per_s']:>10.0f}{r['tally_off']:>11.2f}{r['tally_naive']:>13.2f}"
+            )
+    if "flush" in results:
+        f = results["flush"]
+        lines += [
+            "",
+            f"flush: {f['keys']:,} pending keys, batches of {f['batch_size']}: "
+            f"flush {f['flush_keys_per_s']:,.0f} keys/s, raw SQL {f['raw_keys_per_s']:,.0f} "
+            f"keys/s, flush/raw {f['flush_raw']:.2f}   (load {_load(f['load'])})",
+        ]
+    if "reads" in results:
+        r = results["reads"]
+        lines += [
+            "",
+            f"reads: {r['unread']:,} unread among {r['notifications']:,}: "
+            f"get_count {r['get_count_ms']:.3f} ms, COUNT(*) {r['count_ms']:.3f} ms "
+            f"(median of {r['samples']}), COUNT/get_count {r['count_get_count']:.1f}, "
+            f"exact {r['exact']}   (load {_load(r['load'])})",
+        ]
+    if "memory" in results:
+        mem = results["memory"]
+        small, large = mem["small"], mem["large"]
+        lines += [
+            "",
+            f"memory: flusher peak RSS {small['peak_mb']:.1f} MB with {small['keys']:,} keys, "
+            f"{large['peak_mb']:.1f} MB with {large['keys']:,} keys, growth "
+            f"{mem['growth_mb']:.1f} MB   (load {_load(mem['load'])})",
+        ]
+    if results["targets"]:
+        lines += ["", "targets:"]
+        for t in results["targets"]:
+            lines.append(
+                f"  {t['name']:<26}{t['value']:>9.2f} {t['op']} {t['threshold']:<6g}"
+                f"{'met' if t['met'] else 'NOT MET'}"
+            )
+    return "\n".join(lines)
+
+
+def _load(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)

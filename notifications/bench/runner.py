@@ -1,0 +1,124 @@
+"""One bench run: own Redis prefix and users, the chosen sections, then everything removed."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from django.conf import settings
+from django.test.utils import override_settings
+from redis import Redis, RedisError
+
+import counters
+from counters import conf
+from counters.buffer import Buffer
+
+from . import data, flush, memory, reads, report, writers
+from .child import ChildContext
+from .config import BenchConfig
+
+
+class BenchError(RuntimeError):
+    """The bench cannot run or a measurement went wrong; the message is one line."""
+
+
+def pending_total(buffer: Buffer) -> int:
+    """Sum of every pending delta in ``buffer``."""
+    return sum(
+        int(score)
+        for shard in range(buffer.shards)
+        for _, score in buffer.client.zrange(buffer.key(shard, "pending"), 0, -1, withscores=True)
+    )
+
+
+def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
+    progress(f"writes: starting {config.processes} writer processes")
+    context = ChildContext.from_parent()
+    pool = writers.WriterPool(
+        config.processes, context, users[: config.spread_users], users[0], timeout=60
+    )
+    try:
+        progress("writes: measuring off / naive / tally, spread and hot, interleaved")
+        result = writers.measure(pool, config.rounds, config.seconds, config.warmup)
+    finally:
+        pool.close()
+    pending = pending_total(buffer)
+    result["tally_ops"] = pool.ops["tally"]
+    result["tally_pending_deltas"] = pending
+    result["tally_deltas_match"] = pending == pool.ops["tally"]
+    return result
+
+
+def _flush(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
+    progress(f"flush: {config.flush_keys:,} pending keys, real flush against raw SQL")
+    return flush.measure(buffer, users[: config.flush_keys], config.flush_rounds)
+
+
+def _reads(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
+    progress(
+        f"reads: inserting {config.read_notifications:,} notifications, "
+        f"{config.read_unread:,} unread for one user"
+    )
+    reader = reads.prepare(buffer.prefix, config.read_notifications, config.read_unread)
+    progress("reads: get_count against COUNT(*)")
+    return reads.measure(reader, config.read_notifications, config.read_samples)
+
+
+def _memory(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
+    sizes = [config.memory_small, config.memory_large]
+    progress(f"memory: flusher processes draining {sizes[0]:,} and {sizes[1]:,} pending keys")
+    return memory.measure(buffer, ChildContext.from_parent(), users, sizes)
+
+
+SECTION_RUNNERS: dict[str, Callable[..., dict]] = {
+    "writes": _writes,
+    "flush": _flush,
+    "reads": _reads,
+    "memory": _memory,
+}
+
+
+def _client_ready(buffer: Buffer) -> Redis:
+    try:
+        buffer.client.ping()
+    except RedisError as exc:
+        raise BenchError(f"Redis unreachable at {conf.redis_url()}: {exc}") from exc
+    return buffer.client
+
+
+def run(config: BenchConfig, sections: tuple[str, ...], progress: Callable[[str], None]) -> dict:
+    """Run ``sections`` under a fresh key prefix and user prefix; the results as a dict."""
+    prefix = f"bench-{secrets.token_hex(6)}"
+    with override_settings(COUNTERS_KEY_PREFIX=prefix):
+        buffer = counters.get_buffer()
+        client = _client_ready(buffer)
+        results: dict = {
+            "machine": report.machine(client),
+            "config": asdict(config),
+            "debug": settings.DEBUG,
+            "load_start": report.load(),
+        }
+        try:
+            with flush.recorded_batch_ids() as batch_ids:
+                users_needed = config.users_needed(sections)
+                progress(f"setup: {users_needed:,} bench users {prefix}-u* with counter rows")
+                users = data.create_users(prefix, users_needed)
+                data.create_counters(prefix)
+                for name in sections:
+                    started = time.perf_counter()
+                    section = SECTION_RUNNERS[name](config, buffer, users, progress)
+                    section["seconds"] = round(time.perf_counter() - started, 1)
+                    section["load"] = report.load()
+                    results[name] = section
+                    data.clear_pending(buffer)
+        finally:
+            progress("cleanup: bench users and their rows, ledger and epoch rows, Redis keys")
+            data.delete_prefix(client, prefix)
+            flush.delete_ledger_rows(batch_ids)
+            data.delete_epochs(prefix)
+            data.delete_bench_data(prefix)
+    results["load_end"] = report.load()
+    results["targets"] = report.targets(results)
+    return results

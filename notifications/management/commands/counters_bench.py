@@ -1,0 +1,94 @@
+"""Measure the unread counter: writes (off / naive / tally), flush, reads and memory.
+
+Prints a table, or ``--json``; exits non-zero with one readable line on bad
+arguments or when Redis or the database cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import DatabaseError
+from redis import RedisError
+
+from notifications.bench.config import SECTIONS, BenchConfig
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Command(BaseCommand):
+    help = (
+        "Benchmark notification writes with no counter, a naive counter and Tally; "
+        "the flush against raw SQL; get_count against COUNT(*); the flusher's memory."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--quick", action="store_true", help="Small sizes (CI).")
+        parser.add_argument("--json", action="store_true", help="Print the results as JSON.")
+        parser.add_argument(
+            "--processes", type=int, default=None, help="Writer processes (default 8)."
+        )
+        parser.add_argument(
+            "--seconds", type=float, default=None, help="Length of one measured write run."
+        )
+        parser.add_argument(
+            "--rounds", type=int, default=None, help="Interleaved rounds of the writes."
+        )
+        parser.add_argument(
+            "--sections",
+            default=",".join(SECTIONS),
+            help=f"Comma-separated subset of {','.join(SECTIONS)} (default: all).",
+        )
+
+    def _config(self, options: dict[str, Any]) -> BenchConfig:
+        overrides: dict[str, Any] = {}
+        for name, minimum in (("processes", 1), ("seconds", 0), ("rounds", 1)):
+            value = options[name]
+            if value is None:
+                continue
+            if value < minimum or (name == "seconds" and value == 0):
+                bound = "greater than 0" if name == "seconds" else f"at least {minimum}"
+                raise CommandError(f"--{name} must be {bound}, got {value}")
+            overrides[name] = value
+        if options["quick"]:
+            return BenchConfig.quick_run(**overrides)
+        return BenchConfig.full(**overrides)
+
+    def _sections(self, raw: str) -> tuple[str, ...]:
+        names = [n.strip() for n in raw.split(",") if n.strip()]
+        unknown = [n for n in names if n not in SECTIONS]
+        if unknown or not names:
+            raise CommandError(f"--sections takes names from {','.join(SECTIONS)}, got {raw!r}")
+        return tuple(n for n in SECTIONS if n in names)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        config = self._config(options)
+        sections = self._sections(options["sections"])
+        from notifications.bench import runner
+
+        verbose = options["verbosity"] >= 2 or (options["verbosity"] >= 1 and not options["json"])
+
+        def progress(message: str) -> None:
+            if verbose:
+                self.stderr.write(message)
+                self.stderr.flush()
+
+        try:
+            results = runner.run(config, sections, progress)
+        except runner.BenchError as exc:
+            raise CommandError(str(exc)) from exc
+        except RedisError as exc:
+            raise CommandError(f"Redis error: {_first_line(exc)}") from exc
+        except DatabaseError as exc:
+            raise CommandError(f"database error: {_first_line(exc)}") from exc
+        if options["json"]:
+            self.stdout.write(json.dumps(results, indent=2))
+        else:
+            from notifications.bench.report import render
+
+            self.stdout.write(render(results))
