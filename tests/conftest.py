@@ -69,3 +69,14 @@ def make_user(django_user_model):
         return django_user_model.objects.create(username=name or f"user{next(counter)}")
 
     return make
+
+
+@pytest.fixture
+def own_redis(settings):
+    """A redis-server of this test alone, which the test may kill and restart."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    settings.COUNTERS_REDIS_URL = server.url
+    yield server
+    server.stop()

@@ -24,12 +24,8 @@ pytestmark = [pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
-def own_redis(settings):
-    server = RedisServer().start()
-    settings.COUNTERS_REDIS_URL = server.url
+def four_shards(settings):
     settings.COUNTERS_SHARDS = 4
-    yield server
-    server.stop()
 
 
 def restart_empty(server: RedisServer) -> None:
@@ -37,7 +33,9 @@ def restart_empty(server: RedisServer) -> None:
     server.start()
 
 
-def test_restart_without_persistence_is_detected_once_and_reported(own_redis, make_user, caplog):
+def test_restart_without_persistence_is_detected_once_and_reported(
+    four_shards, own_redis, make_user, caplog
+):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="v")
     assert counters.flush().lost_shards == []
@@ -58,7 +56,7 @@ def test_restart_without_persistence_is_detected_once_and_reported(own_redis, ma
     assert UnreadCounter.objects.get_count(alice) == truth(alice) - 1  # the loss is real
 
 
-def test_auto_rebuild_repairs_what_redis_lost(own_redis, settings, make_user):
+def test_auto_rebuild_repairs_what_redis_lost(four_shards, own_redis, settings, make_user):
     settings.COUNTERS_AUTO_REBUILD = True
     users = [make_user() for _ in range(3)]
     for user in users:
@@ -72,7 +70,7 @@ def test_auto_rebuild_repairs_what_redis_lost(own_redis, settings, make_user):
     assert [stored(u) for u in users] == [2, 2, 2]
 
 
-def test_status_shows_backlog_in_flight_batches_and_leases(own_redis, make_user):
+def test_status_shows_backlog_in_flight_batches_and_leases(four_shards, own_redis, make_user):
     users = [make_user() for _ in range(6)]
     for user in users:
         Notification.objects.create(recipient=user, verb="v")

@@ -10,18 +10,13 @@ from counters.exceptions import BufferUnavailable
 from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
-from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def own_redis(settings):
-    server = RedisServer().start()
-    settings.COUNTERS_REDIS_URL = server.url
+@pytest.fixture(autouse=True)
+def short_timeouts(settings):
     settings.COUNTERS_SOCKET_TIMEOUT = 0.5
-    yield server
-    server.stop()
 
 
 def test_writes_while_redis_is_killed_fall_back_to_the_db(own_redis, settings, make_user):
