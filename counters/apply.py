@@ -52,20 +52,40 @@ def _alive(spec: CounterSpec, keys: list, using: str) -> set:
     return alive
 
 
+def _add(qs, attname: str, value: str, keyed: Mapping[Any, int]) -> tuple[int, int]:
+    """One additive UPDATE per distinct delta; returns (rows updated, statements)."""
+    by_delta: dict[int, list] = defaultdict(list)
+    for key, delta in keyed.items():
+        by_delta[delta].append(key)
+    updated = statements = 0
+    for delta, group in sorted(by_delta.items()):
+        for chunk in batched(group, CHUNK):
+            updated += qs.filter(**{f"{attname}__in": chunk}).update(
+                **{value: models.F(value) + delta}
+            )
+            statements += 1
+    return updated, statements
+
+
 def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Applied:
-    """Add ``keyed`` ({key: delta}) to ``spec``'s rows. Call inside a transaction."""
+    """Add ``keyed`` ({key: delta}) to ``spec``'s rows. Call inside a transaction.
+
+    The additive UPDATEs go first: when every row exists (the steady state)
+    that is all. Otherwise the missing rows are found, created at 0 (unless
+    the row they count for is gone: those deltas are dropped) and updated.
+    """
     model = spec.model
     qs = model._default_manager.using(using)
     attname, value = spec.key_attname, spec.value_field
-    keys = list(keyed)
-    statements = 0
-    existing: set = set()
-    for chunk in batched(keys, CHUNK):
-        existing.update(qs.filter(**{f"{attname}__in": chunk}).values_list(attname, flat=True))
-        statements += 1
-    missing = [k for k in keys if k not in existing]
+    updated, statements = _add(qs, attname, value, keyed)
     dropped: set = set()
-    if missing:
+    if updated < len(keyed):
+        keys = list(keyed)
+        existing: set = set()
+        for chunk in batched(keys, CHUNK):
+            existing.update(qs.filter(**{f"{attname}__in": chunk}).values_list(attname, flat=True))
+            statements += 1
+        missing = [k for k in keys if k not in existing]
         alive = _alive(spec, missing, using)
         dropped = set(missing) - alive
         if alive:
@@ -74,7 +94,8 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
                 ignore_conflicts=True,
                 batch_size=CHUNK,
             )
-            statements += 2
+            _, more = _add(qs, attname, value, {k: keyed[k] for k in alive})
+            statements += 1 + more
     if dropped:
         logger.warning(
             "dropped deltas of %s vanished %s keys: %s",
@@ -82,14 +103,6 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
             spec.name,
             sorted(dropped)[:20],
         )
-    by_delta: dict[int, list] = defaultdict(list)
-    for key, delta in keyed.items():
-        if key not in dropped:
-            by_delta[delta].append(key)
-    for delta, group in sorted(by_delta.items()):
-        for chunk in batched(group, CHUNK):
-            qs.filter(**{f"{attname}__in": chunk}).update(**{value: models.F(value) + delta})
-            statements += 1
     return Applied(
         keys=len(keyed) - len(dropped),
         deltas=sum(abs(d) for k, d in keyed.items() if k not in dropped),
