@@ -15,8 +15,9 @@ from functools import wraps
 from typing import Any
 from urllib.parse import urlencode
 
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import SuspiciousOperation
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from django.middleware.csrf import CsrfViewMiddleware
 from django.urls import Resolver404, resolve, reverse
 from django.views.decorators.cache import never_cache
@@ -29,6 +30,7 @@ from .openapi import document
 
 View = Callable[..., HttpResponse]
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+FORM_TYPES = frozenset({"multipart/form-data", "application/x-www-form-urlencoded"})
 
 
 def error(status: int, message: str) -> JsonResponse:
@@ -164,14 +166,20 @@ def mark_unread(request: HttpRequest, raw_id: str) -> JsonResponse:
 
 def _json_object(request: HttpRequest) -> dict[str, Any]:
     """The request body as a JSON object; an empty body is ``{}``."""
+    not_json = "request body must be JSON (Content-Type: application/json)"
     try:
+        if request.content_type in FORM_TYPES:
+            # An empty form (what some clients send with a bare POST) is an empty body.
+            if request.POST or request.FILES:
+                raise BadInput("body", not_json)
+            return {}
         body = request.body
-    except RequestDataTooBig as exc:
-        raise BadInput("body", "request body is too large") from exc
+    except (SuspiciousOperation, MultiPartParserError) as exc:
+        raise BadInput("body", "request body could not be read") from exc
     if not body.strip():
         return {}
     if request.content_type != "application/json":
-        raise BadInput("body", "request body must be JSON (Content-Type: application/json)")
+        raise BadInput("body", not_json)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:
