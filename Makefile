@@ -10,13 +10,19 @@ PORT ?= 8000
 
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install run test test-sqlite test-postgres lint migrate flush clean
+.PHONY: install install-test run test test-sqlite test-postgres lint migrate flush clean
 
 install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
@@ -29,15 +35,15 @@ run: migrate
 
 test: test-sqlite test-postgres
 
-test-sqlite: install
+test-sqlite: install-test
 	$(BIN)/python scripts/ensure_redis.py
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-test-postgres: install
+test-postgres: install-test
 	$(BIN)/python scripts/ensure_redis.py
 	DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(PYTEST_ARGS)
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
