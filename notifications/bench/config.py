@@ -35,9 +35,10 @@ class BenchConfig:
     def quick_run(cls, **overrides: Any) -> BenchConfig:
         """Sizes for CI: every figure, in a few seconds."""
         small = cls(
+            processes=2,
             seconds=0.3,
             rounds=1,
-            warmup=0.1,
+            warmup=0.0,
             spread_users=1_000,
             flush_keys=2_000,
             flush_rounds=1,

@@ -95,6 +95,7 @@ def run(config: BenchConfig, sections: tuple[str, ...], progress: Callable[[str]
         buffer = counters.get_buffer()
         client = _client_ready(buffer)
         results: dict = {
+            "key_prefix": prefix,
             "machine": report.machine(client),
             "config": asdict(config),
             "debug": settings.DEBUG,

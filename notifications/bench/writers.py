@@ -30,7 +30,7 @@ MODES = ("off", "naive", "tally")
 WORKLOADS = ("spread", "hot")
 
 #: Seconds between sending a run to the writers and its start in all of them.
-START_DELAY = 0.2
+START_DELAY = 0.05
 
 
 class WriterError(RuntimeError):
@@ -176,7 +176,8 @@ def measure(pool: WriterPool, rounds: int, seconds: float, warmup: float) -> dic
     """Interleaved rounds of every (workload, mode); median ops/s and ratios per workload."""
     for workload in WORKLOADS:
         for mode in MODES:
-            pool.run(mode, workload, warmup)
+            if warmup > 0:
+                pool.run(mode, workload, warmup)
     rates: dict[str, dict[str, list[float]]] = {w: {m: [] for m in MODES} for w in WORKLOADS}
     for r in range(rounds):
         order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]

@@ -1,0 +1,113 @@
+"""`manage.py counters_bench`: every figure is there and the bench leaves nothing behind.
+
+No timing is asserted: the numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+
+import pytest
+from django.contrib.auth import get_user_model
+
+import counters
+from counters.models import BufferEpoch, FlushBatch
+from notifications.bench.report import TARGETS
+from tests.procs import database_url, run_manage
+
+WORKLOADS = ("spread", "hot")
+FIGURES = [
+    ("machine", "nproc"),
+    ("machine", "memory_mb"),
+    *[("writes", w, f"{m}_ops_per_s") for w in WORKLOADS for m in ("off", "naive", "tally")],
+    *[("writes", w, ratio) for w in WORKLOADS for ratio in ("tally_off", "tally_naive")],
+    ("flush", "flush_keys_per_s"),
+    ("flush", "raw_keys_per_s"),
+    ("flush", "flush_raw"),
+    ("reads", "get_count_ms"),
+    ("reads", "count_ms"),
+    ("reads", "count_get_count"),
+    ("memory", "small", "peak_mb"),
+    ("memory", "large", "peak_mb"),
+]
+
+
+def dig(data: dict, path: tuple[str, ...]):
+    for part in path:
+        assert isinstance(data, dict) and part in data, f"missing {'.'.join(path)}"
+        data = data[part]
+    return data
+
+
+def leftovers(prefix: str) -> dict[str, int]:
+    """Rows and Redis keys a bench run with ``prefix`` could leave behind."""
+    return {
+        "users": get_user_model().objects.filter(username__startswith=prefix).count(),
+        "epochs": BufferEpoch.objects.filter(prefix=prefix).count(),
+        "ledger": FlushBatch.objects.count(),
+        "redis": len(list(counters.get_client().scan_iter(match=f"{prefix}:*"))),
+    }
+
+
+@pytest.fixture(scope="module")
+def quick_run(django_db_setup, django_db_blocker) -> tuple[dict, dict, dict]:
+    """The JSON of one quick run, and what was left over before and after it."""
+    with django_db_blocker.unblock():
+        before = leftovers("bench-")
+        env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONUNBUFFERED": "1"}
+        code, out, err = run_manage("counters_bench", "--quick", "--json", env=env, timeout=280)
+        assert code == 0, err
+        data = json.loads(out)
+        after = leftovers(data["key_prefix"])
+    return data, before, after
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("path", FIGURES, ids=[".".join(p) for p in FIGURES])
+def test_quick_json_has_every_figure(quick_run, path):
+    value = dig(quick_run[0], path)
+    assert isinstance(value, numbers.Real) and not isinstance(value, bool)
+    assert value > 0
+
+
+@pytest.mark.redis
+def test_quick_json_checks_and_targets(quick_run):
+    quick_run, _, _ = quick_run
+    assert quick_run["config"]["quick"] is True
+    assert quick_run["reads"]["exact"] is True
+    assert quick_run["writes"]["tally_deltas_match"] is True
+    assert isinstance(dig(quick_run, ("memory", "growth_mb")), numbers.Real)
+    for key in ("database", "redis"):
+        assert quick_run["machine"][key]
+    assert len(quick_run["load_start"]) == len(quick_run["load_end"]) == 3
+    assert [t["name"] for t in quick_run["targets"]] == [t.name for t in TARGETS]
+    assert all(isinstance(t["met"], bool) for t in quick_run["targets"])
+
+
+@pytest.mark.redis
+def test_bench_leaves_no_data_behind(quick_run):
+    data, before, after = quick_run
+    assert data["key_prefix"].startswith("bench-")
+    assert after == {"users": 0, "epochs": 0, "ledger": before["ledger"], "redis": 0}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param(("--processes", "0"), "--processes must be at least 1, got 0", id="processes"),
+        pytest.param(("--seconds", "0"), "--seconds must be greater than 0, got 0.0", id="seconds"),
+        pytest.param(("--rounds", "-2"), "--rounds must be at least 1, got -2", id="rounds"),
+        pytest.param(
+            ("--sections", "writes,nope"),
+            "--sections takes names from writes,flush,reads,memory, got 'writes,nope'",
+            id="sections",
+        ),
+    ],
+)
+def test_bad_arguments_exit_non_zero_with_one_line(args, message):
+    code, out, err = run_manage("counters_bench", *args)
+    assert code != 0
+    assert err.strip().splitlines() == [f"CommandError: {message}"]
+    assert out == ""
