@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from redis import Redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 from .exceptions import UnexpectedScriptReply
 
@@ -142,6 +144,30 @@ class Buffer:
         self._ack = client.register_script(ACK_SCRIPT)
         self._read = client.register_script(READ_SCRIPT)
 
+    def _run(self, script: Script, calls: list[tuple[list, list]]) -> list:
+        """Run ``script`` once per (keys, args) in one round trip.
+
+        A single call goes straight to EVALSHA; several go in a pipeline of
+        EVALSHAs. (redis-py's Script objects in a pipeline ask SCRIPT EXISTS
+        on every execute, an extra round trip on the hot path.) Every script
+        here is safe to repeat, so after NOSCRIPT (a restarted Redis) the
+        scripts are loaded and the calls sent again.
+        """
+        for attempt in (1, 2):
+            try:
+                if len(calls) == 1:
+                    keys, args = calls[0]
+                    return [self.client.evalsha(script.sha, len(keys), *keys, *args)]
+                pipe = self.client.pipeline(transaction=False)
+                for keys, args in calls:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                return pipe.execute()
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                self.client.script_load(script.script)
+        raise AssertionError("unreachable")
+
     # -- keys ---------------------------------------------------------------
     def key(self, shard: int, name: str) -> str:
         return f"{self.prefix}:{{s{shard}}}:{name}"
@@ -173,15 +199,18 @@ class Buffer:
         if not groups:
             return set()
         now_ms = int(time.time() * 1000)
-        pipe = self.client.pipeline(transaction=False)
-        for shard, args in groups.items():
-            keys = [self.key(shard, "pending"), self.key(shard, f"push:{push_id}")]
-            self._push(
-                keys=[*keys, self.key(shard, "since")],
-                args=[PUSH_MARKER_TTL_MS, now_ms, *args],
-                client=pipe,
+        calls = [
+            (
+                [
+                    self.key(shard, "pending"),
+                    self.key(shard, f"push:{push_id}"),
+                    self.key(shard, "since"),
+                ],
+                [PUSH_MARKER_TTL_MS, now_ms, *args],
             )
-        replies = pipe.execute()
+            for shard, args in groups.items()
+        ]
+        replies = self._run(self._push, calls)
         if any(reply not in (0, 1) for reply in replies):
             raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
         return {shard for shard, reply in zip(groups, replies, strict=True) if reply == 1}
@@ -232,14 +261,13 @@ class Buffer:
     def snapshot(self, members: Iterable[str]) -> Snapshot:
         """Pending and in-flight deltas of ``members``, each shard read atomically."""
         groups = self.by_shard(members)
-        pipe = self.client.pipeline(transaction=False)
-        for shard, group in groups.items():
-            self._read(keys=self._shard_keys(shard), args=group, client=pipe)
+        calls = [(self._shard_keys(shard), group) for shard, group in groups.items()]
+        replies = self._run(self._read, calls)
         gens: dict[int, int] = {}
         inflight_ids: dict[int, str] = {}
         pending: dict[str, int] = {}
         inflight: dict[str, int] = {}
-        for (shard, group), reply in zip(groups.items(), pipe.execute(), strict=True):
+        for (shard, group), reply in zip(groups.items(), replies, strict=True):
             gens[shard] = _int(reply[0])
             if reply[1]:
                 inflight_ids[shard] = _text(reply[1])

@@ -304,3 +304,14 @@ def test_prefixes_do_not_see_each_other(client):
     b.push({"c:1": 4}, "p1")
     assert a.snapshot(["c:1"]).pending == {"c:1": 3}
     assert b.snapshot(["c:1"]).pending == {"c:1": 4}
+
+
+@pytest.mark.parametrize(
+    "deltas", [{"c:1": 1}, {"c:1": 1, "c:2": 2}], ids=["one-shard", "two-shards"]
+)
+def test_push_and_snapshot_survive_a_flushed_script_cache(buf, client, deltas):
+    """After SCRIPT FLUSH (or a Redis restart) the scripts are loaded again."""
+    client.script_flush()
+    assert buf.push(deltas, "p1") == {buf.shard_of(m) for m in deltas}
+    client.script_flush()
+    assert buf.snapshot(list(deltas)).pending == deltas
