@@ -27,9 +27,13 @@
     count.textContent = String(unread);
     document.title = (unread > 0 ? "(" + unread + ") " : "") + baseTitle;
     if (status) {
-      status.textContent = unread > shownOnLoad
-        ? "New notifications have arrived. Reload the page to see them."
-        : "";
+      status.replaceChildren();
+      if (unread > shownOnLoad) {
+        const link = document.createElement("a");
+        link.href = window.location.pathname;
+        link.textContent = "Show them";
+        status.append("New notifications have arrived. ", link);
+      }
     }
   }
 
