@@ -1,0 +1,155 @@
+"""Admin: notification filters, search and counted actions; counters and their rebuild action."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.db import connection
+
+import counters
+from notifications.models import Notification, UnreadCounter
+from notifications.repair import repair_users
+from tests.helpers import assert_exact, stored, truth
+from tests.web.conftest import notify
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+
+NOTIFICATIONS = "/admin/notifications/notification/"
+COUNTERS = "/admin/notifications/unreadcounter/"
+
+
+@pytest.fixture
+def staff(make_member, logged_in):
+    return logged_in(make_member("root", is_staff=True, is_superuser=True))
+
+
+def cell(html: str, field: str, row: int = 0) -> str:
+    return re.findall(rf'<td class="field-{field}[^"]*">(.*?)</td>', html, re.S)[row]
+
+
+def verbs(html: str) -> list[str]:
+    return re.findall(r'<td class="field-verb">(.*?)</td>', html)
+
+
+def set_stored(user, value: int) -> None:
+    """Corrupt a stored counter behind Tally's back, as raw SQL would."""
+    table = connection.ops.quote_name(UnreadCounter._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {table} SET count = %s WHERE user_id = %s", [value, user.pk])
+
+
+def test_notification_filters_and_search(staff, alice, bob):
+    notify(alice, 2, verb="commented on your post")
+    notify(bob, 1, verb="mentioned you", is_read=True)
+    html = staff.get(NOTIFICATIONS, {"is_read__exact": "0"}).content.decode()
+    assert verbs(html) == ["commented on your post"] * 2
+    assert verbs(staff.get(NOTIFICATIONS, {"q": "bob"}).content.decode()) == ["mentioned you"]
+    assert verbs(staff.get(NOTIFICATIONS, {"q": "mention"}).content.decode()) == ["mentioned you"]
+    # The "Today" link of the created_at filter, which keeps the is_read filter.
+    today = re.search(r'href="(\?created_at__gte=[^"]+)"', html)[1].replace("&amp;", "&")
+    assert len(verbs(staff.get(NOTIFICATIONS + today).content.decode())) == 2
+
+
+@pytest.mark.parametrize(("action", "expected"), [("mark_read", 0), ("mark_unread", 3)])
+def test_mark_actions_go_through_the_counted_path(staff, alice, bob, action, expected):
+    mine = notify(alice, 2) + notify(alice, 1, is_read=True)
+    notify(bob, 2)
+    response = staff.post(
+        NOTIFICATIONS,
+        {"action": action, "_selected_action": [n.pk for n in mine]},
+        follow=True,
+    )
+    assert response.status_code == 200
+    assert truth(alice) == expected
+    assert truth(bob) == 2
+    assert_exact(alice, bob)
+
+
+def test_delete_selected_counts_the_unread_rows(staff, alice):
+    unread = notify(alice, 3)
+    notify(alice, 1, is_read=True)
+    response = staff.post(
+        NOTIFICATIONS,
+        {
+            "action": "delete_selected",
+            "_selected_action": [unread[0].pk, unread[1].pk],
+            "post": "yes",
+        },
+    )
+    assert response.status_code == 302
+    assert truth(alice) == 1
+    assert_exact(alice)
+
+
+def test_change_form_save_is_counted(staff, alice):
+    (n,) = notify(alice, 1)
+    form = {"recipient": alice.pk, "actor": "", "verb": n.verb, "description": "", "is_read": "on"}
+    form.update({"created_at_0": "2026-01-01", "created_at_1": "10:00:00"})
+    response = staff.post(f"{NOTIFICATIONS}{n.pk}/change/", form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert truth(alice) == 0
+    assert_exact(alice)
+
+
+def test_counter_list_shows_stored_pending_exact_and_truth(staff, alice):
+    notify(alice, 2)
+    counters.flush()
+    notify(alice, 3)
+    Notification.objects.filter(recipient=alice).first().mark_read()
+    html = staff.get(COUNTERS).content.decode()
+    assert (cell(html, "stored"), cell(html, "pending"), cell(html, "exact")) == ("2", "2", "4")
+    assert cell(html, "truth") == str(truth(alice)) == "4"
+    assert 'alt="True"' in cell(html, "in_sync")
+    detail = staff.get(f"{COUNTERS}{alice.pk}/change/").content.decode()
+    assert "pending (buffered)" in detail.lower()
+    assert staff.get(f"{COUNTERS}add/").status_code == 403
+
+
+def test_rebuild_action_repairs_drift_through_the_delta_path(staff, alice, bob):
+    notify(alice, 3)
+    notify(bob, 2)
+    counters.flush()
+    set_stored(alice, 10)
+    html = staff.get(COUNTERS).content.decode()
+    assert 'alt="False"' in html  # alice's row is out of sync
+    response = staff.post(
+        COUNTERS, {"action": "rebuild", "_selected_action": [alice.pk, bob.pk]}, follow=True
+    )
+    page = response.content.decode()
+    assert "2 counters checked; 1 repaired (user " in page
+    assert f"user {alice.pk}: 10 → 3" in page
+    assert UnreadCounter.objects.get_count(alice) == 3  # exact at once
+    assert stored(alice) == 10  # the repair is a delta, applied by the flush
+    assert_exact(alice, bob)
+    response = staff.post(
+        COUNTERS, {"action": "rebuild", "_selected_action": [alice.pk]}, follow=True
+    )
+    assert "1 counters checked; all were exact." in response.content.decode()
+
+
+def test_repair_users_reports_exact_before_and_truth(alice, bob, make_user):
+    notify(alice, 2)
+    carol = make_user("carol")  # no notifications and no counter row
+    counters.flush()
+    set_stored(alice, -4)
+    assert repair_users([alice.pk, bob.pk, carol.pk]) == [
+        (alice.pk, -4, 2),
+        (bob.pk, 0, 0),
+        (carol.pk, 0, 0),
+    ]
+    assert_exact(alice, bob, carol)
+
+
+def test_rebuild_needs_the_change_permission(make_member, logged_in, alice):
+    viewer = make_member("viewer", is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_unreadcounter"))
+    notify(alice, 1)
+    counters.flush()
+    client = logged_in(viewer)
+    html = client.get(COUNTERS).content.decode()
+    assert 'value="rebuild"' not in html
+    set_stored(alice, 5)
+    client.post(COUNTERS, {"action": "rebuild", "_selected_action": [alice.pk]})
+    assert UnreadCounter.objects.get_count(alice) == 5  # nothing was repaired
