@@ -1,0 +1,125 @@
+"""The inbox in a real browser: Debian's Chromium, headless, driven by Playwright.
+
+Logs in, reads the badge, marks one notification read and sees the badge drop
+by one, then sees it rise, without a reload, when another process creates a
+notification. Saves a screenshot to docs/inbox.png (shown in the README).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from notifications.models import Notification
+from tests.helpers import assert_exact, truth
+from tests.procs import ROOT, run_manage
+from tests.web.conftest import PASSWORD
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+SCREENSHOT = ROOT / "docs" / "inbox.png"
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's Chromium, installed with apt-get if it is missing."""
+    if not Path(CHROMIUM).exists():
+        if shutil.which("apt-get") is None:
+            pytest.fail(f"{CHROMIUM} is missing and apt-get is not available to install it")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                pytest.fail(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+    return CHROMIUM
+
+
+@pytest.fixture
+def inbox_data(alice, make_member):
+    bob, carol = make_member("bob"), make_member("carol")
+    rows = [
+        (bob, "assigned you an issue", "Badge shows a stale count after logout", True),
+        (carol, "approved your pull request", "Exact counters for the inbox", False),
+        (bob, "commented on your post", "Looks good to me, one question about the flush.", False),
+        (carol, "mentioned you", "@alice can you review the rollout plan?", False),
+    ]
+    for actor, verb, description, is_read in rows:
+        Notification.objects.create(
+            recipient=alice, actor=actor, verb=verb, description=description, is_read=is_read
+        )
+    Notification.objects.create(recipient=bob, actor=carol, verb="not for alice")
+    return carol
+
+
+def test_badge_drops_on_read_and_rises_on_a_notification_from_another_process(
+    chromium, live_server, settings, monkeypatch, alice, inbox_data
+):
+    settings.NOTIFICATIONS_POLL_INTERVAL = 1
+    # Playwright's sync API keeps an event loop in this thread; the ORM calls
+    # made here between browser steps are plain synchronous ones.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    carol = inbox_data
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 960, "height": 720})
+            page.goto(f"{live_server.url}/notifications/")
+            expect(page).to_have_url(re.compile(r"/accounts/login/\?next="))
+            page.get_by_label("Username").fill("alice")
+            page.get_by_label("Password").fill(PASSWORD)
+            page.get_by_role("button", name="Log in").click()
+            expect(page).to_have_url(f"{live_server.url}/notifications/")
+
+            count = page.locator("#unread-count")
+            before = int(count.inner_text())
+            assert before == truth(alice) == 3
+
+            page.keyboard.press("Tab")  # the skip link gets a visible focus ring
+            outline = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+            assert outline == "solid"
+
+            page.get_by_role("button", name="Mark read: mentioned you").click()
+            expect(count).to_have_text(str(before - 1))
+            assert truth(alice) == before - 1
+            expect(page.locator(".messages")).to_have_text("Marked read: mentioned you")
+
+            page.evaluate("window.sameDocument = true")
+            code, _, err = run_manage(
+                "shell",
+                "-c",
+                "from notifications.models import Notification; "
+                f"Notification.objects.create(recipient_id={alice.pk}, actor_id={carol.pk}, "
+                "verb='replied to your comment', description='Agreed, keep the batch at 1000.')",
+            )
+            assert code == 0, err
+            assert truth(alice) == before
+
+            expect(count).to_have_text(str(before), timeout=20_000)
+            assert page.evaluate("window.sameDocument") is True  # updated without a reload
+            expect(page).to_have_title(f"({before}) Notifications · Tally")
+            status = page.locator("#live-status")
+            expect(status).to_have_text("New notifications have arrived. Show them")
+            expect(status.get_by_role("link", name="Show them")).to_have_attribute(
+                "href", "/notifications/"
+            )
+            SCREENSHOT.parent.mkdir(exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT))
+        finally:
+            browser.close()
+    assert_exact(alice)
