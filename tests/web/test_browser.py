@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from django.db import connections
 from playwright.sync_api import expect, sync_playwright
 
 from notifications.models import Notification
@@ -71,8 +72,8 @@ def test_badge_drops_on_read_and_rises_on_a_notification_from_another_process(
     chromium, live_server, settings, monkeypatch, alice, inbox_data
 ):
     settings.NOTIFICATIONS_POLL_INTERVAL = 1
-    # Playwright's sync API keeps an event loop in this thread; the ORM calls
-    # made here between browser steps are plain synchronous ones.
+    # Playwright's sync API keeps an event loop running in this thread; the ORM
+    # calls made here between browser steps are plain synchronous ones.
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     carol = inbox_data
     with sync_playwright() as playwright:
@@ -122,4 +123,7 @@ def test_badge_drops_on_read_and_rises_on_a_notification_from_another_process(
             page.screenshot(path=str(SCREENSHOT))
         finally:
             browser.close()
+            # Inside Playwright's loop the ORM used a connection of its own: close it,
+            # or it would keep the test database open after the run.
+            connections.close_all()
     assert_exact(alice)
