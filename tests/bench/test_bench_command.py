@@ -17,6 +17,9 @@ from counters.models import BufferEpoch, FlushBatch
 from notifications.bench.report import TARGETS
 from tests.procs import database_url, run_manage
 
+# The marker makes pytest-django create the test database the module fixture runs the bench on.
+pytestmark = pytest.mark.django_db
+
 WORKLOADS = ("spread", "hot")
 FIGURES = [
     ("machine", "nproc"),
