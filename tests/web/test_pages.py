@@ -113,13 +113,12 @@ def test_unread_tab_and_pagination(alice, logged_in):
     assert "No notifications on this page." in empty
 
 
-@pytest.mark.parametrize(
-    "query", [{"page": "0"}, {"page": "x"}, {"page": "99999"}, {"show": "read"}], ids=repr
-)
-def test_bad_inbox_parameters_are_a_400(alice, logged_in, query):
-    response = logged_in(alice).get(INBOX, query)
-    assert response.status_code == 400
-    assert 'role="alert"' in response.content.decode()
+def test_bad_inbox_parameters_are_a_400(alice, logged_in):
+    client = logged_in(alice)
+    for query in ({"page": "0"}, {"page": "x"}, {"page": "99999"}, {"show": "read"}):
+        response = client.get(INBOX, query)
+        assert response.status_code == 400, query
+        assert 'role="alert"' in response.content.decode()
 
 
 def test_mark_read_and_unread_forms_change_the_badge_by_one(alice, logged_in):
@@ -160,11 +159,12 @@ def test_mark_all_read_spares_notifications_newer_than_the_page(alice, logged_in
     assert_exact(alice)
 
 
-@pytest.mark.parametrize("until_id", ["x", "0", "-5", "1" * 25])
-def test_mark_all_read_rejects_a_bad_limit(alice, logged_in, until_id):
+def test_mark_all_read_rejects_a_bad_limit(alice, logged_in):
     notify(alice, 2)
-    response = logged_in(alice).post("/notifications/read-all/", {"until_id": until_id})
-    assert response.status_code == 400
+    client = logged_in(alice)
+    for until_id in ("x", "0", "-5", "1" * 25):
+        response = client.post("/notifications/read-all/", {"until_id": until_id})
+        assert response.status_code == 400, until_id
     assert truth(alice) == 2
 
 
@@ -192,11 +192,12 @@ def test_forms_need_the_csrf_token(alice, logged_in):
     assert truth(alice) == 0
 
 
-@pytest.mark.parametrize("target", ["https://example.com/", "//example.com/", "javascript:x"])
-def test_next_never_leaves_the_site(alice, logged_in, target):
+def test_next_never_leaves_the_site(alice, logged_in):
     (n,) = notify(alice, 1)
-    response = logged_in(alice).post(f"/notifications/{n.pk}/read/", {"next": target})
-    assert response.url == INBOX
+    client = logged_in(alice)
+    for target in ("https://example.com/", "//example.com/", "javascript:x"):
+        response = client.post(f"/notifications/{n.pk}/read/", {"next": target})
+        assert response.url == INBOX, target
 
 
 def test_static_files_are_local_and_served(alice, client, logged_in):
