@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from django.conf import settings
 from django.db import connection
@@ -14,8 +14,12 @@ from django.db import connection
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def database_url() -> str:
-    """URL of the database the tests run on (the test database, not the configured one)."""
+def database_url(application_name: str | None = None) -> str:
+    """URL of the database the tests run on (the test database, not the configured one).
+
+    ``application_name`` (PostgreSQL) names the subprocess's connections in
+    ``pg_stat_activity``; dj-database-url passes it on as a connection option.
+    """
     s = connection.settings_dict
     if connection.vendor == "postgresql":
         host = s.get("HOST") or "127.0.0.1"
@@ -23,16 +27,19 @@ def database_url() -> str:
         user = quote(s.get("USER") or "")
         if s.get("PASSWORD"):
             user += ":" + quote(s["PASSWORD"])
-        return f"postgres://{user}@{host}:{port}/{s['NAME']}"
+        url = f"postgres://{user}@{host}:{port}/{s['NAME']}"
+        if application_name:
+            url += "?" + urlencode({"application_name": application_name})
+        return url
     if connection.vendor == "sqlite":
         return f"sqlite:///{s['NAME']}"
     raise NotImplementedError(connection.vendor)
 
 
-def project_env(**extra: str) -> dict[str, str]:
+def project_env(*, application_name: str | None = None, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        DATABASE_URL=database_url(),
+        DATABASE_URL=database_url(application_name),
         COUNTERS_KEY_PREFIX=settings.COUNTERS_KEY_PREFIX,
         PYTHONUNBUFFERED="1",
     )
