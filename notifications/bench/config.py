@@ -19,7 +19,7 @@ class BenchConfig:
     warmup: float = 0.5
     spread_users: int = 10_000
     flush_keys: int = 100_000
-    flush_rounds: int = 2
+    flush_rounds: int = 4
     read_notifications: int = 1_000_000
     read_unread: int = 10_000
     read_samples: int = 200
