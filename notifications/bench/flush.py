@@ -26,6 +26,7 @@ from counters.registry import get_spec
 from counters.utils import batched
 
 from ..apps import UNREAD_COUNTER
+from .errors import BenchError
 
 #: Deltas of one flush interval: mostly single notifications, some bursts, some reads.
 DELTAS = (1, 1, 1, 1, 1, 1, 2, 2, 3, 5, -1, -2)
@@ -33,7 +34,7 @@ DELTAS = (1, 1, 1, 1, 1, 1, 2, 2, 3, 5, -1, -2)
 PUSH_CHUNK = 10_000
 
 
-class FlushCheckFailed(RuntimeError):
+class FlushCheckFailed(BenchError):
     """A bench flush did not apply what was pending."""
 
 

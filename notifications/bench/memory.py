@@ -8,12 +8,13 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from .child import ChildContext, peak_rss_kb
+from .errors import BenchError
 
 if TYPE_CHECKING:
     from counters.buffer import Buffer
 
 
-class FlusherFailed(RuntimeError):
+class FlusherFailed(BenchError):
     """The flusher process failed or vanished."""
 
 

@@ -18,10 +18,7 @@ from counters.buffer import Buffer
 from . import data, flush, memory, reads, report, writers
 from .child import ChildContext
 from .config import BenchConfig
-
-
-class BenchError(RuntimeError):
-    """The bench cannot run or a measurement went wrong; the message is one line."""
+from .errors import BenchError
 
 
 def pending_total(buffer: Buffer) -> int:
@@ -80,6 +77,19 @@ SECTION_RUNNERS: dict[str, Callable[..., dict]] = {
 }
 
 
+def _database_ready() -> None:
+    """The bench writes through the models: their tables must be migrated."""
+    from django.db import connection
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connection)
+    plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    if plan:
+        names = ", ".join(f"{m.app_label}.{m.name}" for m, _ in plan[:3])
+        more = f" and {len(plan) - 3} more" if len(plan) > 3 else ""
+        raise BenchError(f"unapplied migrations ({names}{more}): run manage.py migrate first")
+
+
 def _client_ready(buffer: Buffer) -> Redis:
     try:
         buffer.client.ping()
@@ -94,6 +104,7 @@ def run(config: BenchConfig, sections: tuple[str, ...], progress: Callable[[str]
     with override_settings(COUNTERS_KEY_PREFIX=prefix):
         buffer = counters.get_buffer()
         client = _client_ready(buffer)
+        _database_ready()
         results: dict = {
             "key_prefix": prefix,
             "machine": report.machine(client),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from .child import ChildContext
+from .errors import BenchError
 
 MODES = ("off", "naive", "tally")
 WORKLOADS = ("spread", "hot")
@@ -33,7 +34,7 @@ WORKLOADS = ("spread", "hot")
 START_DELAY = 0.05
 
 
-class WriterError(RuntimeError):
+class WriterError(BenchError):
     """A writer process failed or vanished."""
 
 

@@ -15,7 +15,7 @@ from django.contrib.auth import get_user_model
 import counters
 from counters.models import BufferEpoch, FlushBatch
 from notifications.bench.report import TARGETS
-from tests.procs import database_url, run_manage
+from tests.procs import database_url, project_env, run_manage
 
 # The marker makes pytest-django create the test database the module fixture runs the bench on.
 pytestmark = pytest.mark.django_db
@@ -113,4 +113,14 @@ def test_bad_arguments_exit_non_zero_with_one_line(args, message):
     code, out, err = run_manage("counters_bench", *args)
     assert code != 0
     assert err.strip().splitlines() == [f"CommandError: {message}"]
+    assert out == ""
+
+
+def test_unreachable_redis_exits_non_zero_with_one_line():
+    env = project_env(COUNTERS_REDIS_URL="redis://127.0.0.1:1/0")
+    code, out, err = run_manage("counters_bench", "--quick", "--json", env=env)
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("CommandError: Redis unreachable at redis://127.0.0.1:1/0")
     assert out == ""

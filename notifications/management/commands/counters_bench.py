@@ -13,6 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 from redis import RedisError
 
+from counters.exceptions import CountersError
 from notifications.bench.config import SECTIONS, BenchConfig
 
 
@@ -70,6 +71,7 @@ class Command(BaseCommand):
         config = self._config(options)
         sections = self._sections(options["sections"])
         from notifications.bench import runner
+        from notifications.bench.errors import BenchError
 
         verbose = options["verbosity"] >= 2 or (options["verbosity"] >= 1 and not options["json"])
 
@@ -80,8 +82,10 @@ class Command(BaseCommand):
 
         try:
             results = runner.run(config, sections, progress)
-        except runner.BenchError as exc:
+        except BenchError as exc:
             raise CommandError(str(exc)) from exc
+        except CountersError as exc:
+            raise CommandError(_first_line(exc)) from exc
         except RedisError as exc:
             raise CommandError(f"Redis error: {_first_line(exc)}") from exc
         except DatabaseError as exc:
