@@ -11,13 +11,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from django.utils import timezone
 from redis import Redis, RedisError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from . import conf, outbox
 from .buffer import Buffer
-from .exceptions import BufferUnavailable, FlushFailed
+from .exceptions import BufferUnavailable, FlushFailed, StalePush
 from .registry import get_spec
 
 logger = logging.getLogger(__name__)
@@ -87,21 +88,32 @@ def send(deltas: Mapping[str, int], using: str) -> None:
     """
     push_id = uuid.uuid4().hex
     buffer = get_buffer()
+    maybe_sent = False
     for attempt in (1, 2):
         try:
             buffer.push(deltas, push_id)
             return
-        except RedisError as exc:
+        except (RedisError, StalePush) as exc:
             # The push is idempotent per push_id, so one repeat is safe even if
-            # the first attempt ran and only its reply was lost.
+            # the first attempt ran and only its reply was lost. A failure after
+            # the command left (a timeout, a reset) may still deliver it later:
+            # the direct write then stays unsettled until a flush fences it.
+            maybe_sent = maybe_sent or "connecting" not in str(exc)
             if attempt == 2:
                 logger.warning(
                     "Redis push failed (%s); writing %s deltas to the DB", exc, len(deltas)
                 )
-    write_direct(deltas, using)
+    write_direct(deltas, using, push_id=push_id, unsettled=maybe_sent)
 
 
-def write_direct(deltas: Mapping[str, int], using: str, attempts: int = 3) -> None:
+def write_direct(
+    deltas: Mapping[str, int],
+    using: str,
+    *,
+    push_id: str | None = None,
+    unsettled: bool = False,
+    attempts: int = 3,
+) -> None:
     """Apply deltas to the DB now, recorded in the ledger as a fallback batch."""
     global fallback_count
     from .apply import apply_deltas
@@ -112,11 +124,12 @@ def write_direct(deltas: Mapping[str, int], using: str, attempts: int = 3) -> No
             with transaction.atomic(using=using):
                 applied = apply_deltas(deltas, using)
                 FlushBatch.objects.using(using).create(
-                    batch_id=f"fallback-{uuid.uuid4().hex}",
+                    batch_id=f"{FALLBACK_PREFIX}{push_id or uuid.uuid4().hex}",
                     kind=FlushBatch.Kind.FALLBACK,
                     keys=applied.keys,
                     deltas=applied.deltas,
                     dropped=applied.dropped,
+                    unsettled=dict(deltas) if unsettled else None,
                 )
             fallback_count += 1
             return
@@ -131,6 +144,50 @@ def write_direct(deltas: Mapping[str, int], using: str, attempts: int = 3) -> No
         except Exception:
             logger.exception("could not write %s deltas to the DB: %r", len(deltas), dict(deltas))
             return
+
+
+FALLBACK_PREFIX = "fallback-"
+
+
+def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int = 500) -> int:
+    """Fence the pushes of direct writes that may still arrive; undo any that did.
+
+    A push that timed out can reach Redis later (a healed partition, a stalled
+    server). Fencing sets its push marker, so it can never apply from now on;
+    if the marker shows it already did, the same deltas were counted by the
+    direct write too, and a compensating push (idempotent: a derived id)
+    takes them back. Returns the number of compensated writes.
+    """
+    from .buffer import PUSH_MARKER_TTL_MS
+    from .models import FlushBatch
+
+    compensated = 0
+    rows = FlushBatch.objects.using(using).filter(
+        kind=FlushBatch.Kind.FALLBACK, unsettled__isnull=False
+    )
+    for row in rows.order_by("applied_at")[:limit]:
+        push_id = row.batch_id.removeprefix(FALLBACK_PREFIX)
+        deltas: dict[str, int] = row.unsettled
+        landed = buffer.fence(deltas, push_id)
+        if landed:
+            undo = {m: -d for m, d in deltas.items() if buffer.shard_of(m) in landed}
+            buffer.push(undo, f"{push_id}-undo")
+            compensated += 1
+            logger.warning(
+                "push %s timed out but reached Redis later; took back its %s deltas",
+                push_id,
+                len(undo),
+            )
+        age_ms = (timezone.now() - row.applied_at).total_seconds() * 1000
+        if age_ms > PUSH_MARKER_TTL_MS:
+            logger.warning(
+                "direct write %s was fenced %.0fs late; if its push arrived meanwhile it is "
+                "counted twice: run a rebuild",
+                row.batch_id,
+                age_ms / 1000,
+            )
+        FlushBatch.objects.using(using).filter(pk=row.pk).update(unsettled=None)
+    return compensated
 
 
 # -- read path ----------------------------------------------------------------
@@ -242,6 +299,9 @@ def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
 
     buffer = get_buffer()
     try:
+        # Fence late pushes first, so that what they added and what takes it
+        # back cancel out in the pending set before this flush moves it.
+        compensated = settle_fallbacks(buffer, using)
         result = run_flush(
             buffer,
             using=using,
@@ -250,6 +310,7 @@ def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
             lease_timeout=conf.lease_timeout(),
             retention=conf.ledger_retention(),
         )
+        result.compensated = compensated
         record_flush(buffer, result)
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc

@@ -28,17 +28,34 @@ from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from .exceptions import UnexpectedScriptReply
+from .exceptions import StalePush, UnexpectedScriptReply
 
-# Add deltas to one shard's pending set at most once per push id; members that reach 0 are removed.
+# Add deltas to one shard's pending set once per push id, unless the push is older than
+# ARGV[3] ms (delivered late) or was fenced; members that reach 0 are removed.
 PUSH_SCRIPT = """
+local now = redis.call('TIME')
+if (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)) - tonumber(ARGV[2])
+    > tonumber(ARGV[3]) then
+  return 2
+end
 if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 0 end
 redis.call('SET', KEYS[3], ARGV[2], 'NX')
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   if tonumber(redis.call('ZINCRBY', KEYS[1], ARGV[i + 1], ARGV[i])) == 0 then
     redis.call('ZREM', KEYS[1], ARGV[i])
   end
 end
+return 1
+"""
+
+# Fence push KEYS[1] so it can never apply; 1 if it had already been applied, else 0.
+FENCE_SCRIPT = """
+local value = redis.call('GET', KEYS[1])
+if not value then
+  redis.call('SET', KEYS[1], 'fenced', 'PX', ARGV[1])
+  return 0
+end
+if value == 'fenced' then return 0 end
 return 1
 """
 
@@ -90,7 +107,12 @@ end
 return out
 """
 
-PUSH_MARKER_TTL_MS = 60_000
+#: A push delivered later than this after it was sent is refused (a late TCP delivery
+#: after the writer gave up and wrote to the DB instead).
+PUSH_MAX_AGE_MS = 30_000
+#: How long a push id is remembered; longer than PUSH_MAX_AGE_MS plus the time a
+#: flush needs to fence the pushes of fallback writes.
+PUSH_MARKER_TTL_MS = 180_000
 
 
 @dataclass(frozen=True)
@@ -143,6 +165,7 @@ class Buffer:
         self._move = client.register_script(MOVE_SCRIPT)
         self._ack = client.register_script(ACK_SCRIPT)
         self._read = client.register_script(READ_SCRIPT)
+        self._fence = client.register_script(FENCE_SCRIPT)
 
     def _run(self, script: Script, calls: list[tuple[list, list]]) -> list:
         """Run ``script`` once per (keys, args) in one round trip.
@@ -206,14 +229,29 @@ class Buffer:
                     self.key(shard, f"push:{push_id}"),
                     self.key(shard, "since"),
                 ],
-                [PUSH_MARKER_TTL_MS, now_ms, *args],
+                [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, *args],
             )
             for shard, args in groups.items()
         ]
         replies = self._run(self._push, calls)
-        if any(reply not in (0, 1) for reply in replies):
+        if any(reply not in (0, 1, 2) for reply in replies):
             raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
+        if 2 in replies:
+            raise StalePush(push_id)
         return {shard for shard, reply in zip(groups, replies, strict=True) if reply == 1}
+
+    def fence(self, members: Iterable[str], push_id: str) -> set[int]:
+        """Make push ``push_id`` of ``members`` unable to apply from now on.
+
+        Returns the shards where it had already been applied (a late delivery
+        of a push the writer gave up on).
+        """
+        shards = sorted(self.by_shard(members))
+        calls = [([self.key(shard, f"push:{push_id}")], [PUSH_MARKER_TTL_MS]) for shard in shards]
+        replies = self._run(self._fence, calls) if calls else []
+        if any(reply not in (0, 1) for reply in replies):
+            raise UnexpectedScriptReply("FENCE_SCRIPT", replies)
+        return {shard for shard, reply in zip(shards, replies, strict=True) if reply == 1}
 
     # -- flush path -----------------------------------------------------------
     def pending_count(self, shard: int) -> int:

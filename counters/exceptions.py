@@ -22,6 +22,17 @@ class BufferUnavailable(CountersError):
         super().__init__(f"Redis unreachable at {url}: {cause}")
 
 
+class StalePush(CountersError):
+    """Redis refused a push that reached it too late (clocks apart, or a stalled client)."""
+
+    def __init__(self, push_id: str) -> None:
+        self.push_id = push_id
+        super().__init__(
+            f"push {push_id} reached Redis too late and was refused; "
+            "check that the clocks of the app servers and Redis agree"
+        )
+
+
 class UnexpectedScriptReply(CountersError):
     """A Lua script answered something its caller does not know."""
 

@@ -40,6 +40,7 @@ class FlushResult:
     busy_shards: list[int] = field(default_factory=list)
     lost_shards: list[int] = field(default_factory=list)
     failed_shards: dict[int, str] = field(default_factory=dict)
+    compensated: int = 0
     incomplete: bool = False
     seconds: float = 0.0
 
@@ -57,6 +58,8 @@ class FlushResult:
             extras.append(f"{self.dropped} dropped")
         if self.busy_shards:
             extras.append(f"{len(self.busy_shards)} shards busy")
+        if self.compensated:
+            extras.append(f"{self.compensated} late pushes taken back")
         if self.failed_shards:
             extras.append(f"{len(self.failed_shards)} shards failed")
         if self.lost_shards:

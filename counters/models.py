@@ -20,6 +20,14 @@ class FlushBatch(models.Model):
         default=0, help_text="Keys skipped because the row they count for no longer exists."
     )
     applied_at = models.DateTimeField(default=timezone.now, db_index=True)
+    unsettled = models.JSONField(
+        null=True,
+        blank=True,
+        help_text=(
+            "Deltas of a direct write whose Redis push timed out and may still arrive; "
+            "cleared once a flush has fenced that push."
+        ),
+    )
 
     class Meta:
         ordering = ["-applied_at"]

@@ -76,6 +76,7 @@ def ledger_status(using: str = "default") -> dict[str, Any]:
         "fallback_writes": fallback.get("batches", 0),
         "last_fallback_at": fallback["last"].isoformat() if fallback.get("last") else None,
         "dropped_keys": (flushed.get("dropped") or 0) + (fallback.get("dropped") or 0),
+        "unsettled_fallbacks": rows.filter(unsettled__isnull=False).count(),
     }
 
 

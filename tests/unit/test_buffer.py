@@ -315,3 +315,25 @@ def test_push_and_snapshot_survive_a_flushed_script_cache(buf, client, deltas):
     assert buf.push(deltas, "p1") == {buf.shard_of(m) for m in deltas}
     client.script_flush()
     assert buf.snapshot(list(deltas)).pending == deltas
+
+
+def test_push_delivered_too_late_is_refused(buf, client, monkeypatch):
+    from counters import buffer as buffer_module
+    from counters.exceptions import StalePush
+
+    from types import SimpleNamespace
+
+    real_time = buffer_module.time.time  # the writer's clock an hour behind Redis's
+    monkeypatch.setattr(buffer_module, "time", SimpleNamespace(time=lambda: real_time() - 3600))
+    with pytest.raises(StalePush):
+        buf.push({"c:1": 1}, "late")
+    assert pending(client, 0) == {}
+
+
+def test_fence_reports_whether_the_push_had_landed(buf, client):
+    buf.push({"c:1": 1}, "landed")
+    assert buf.fence(["c:1", "c:2"], "landed") == {0}
+    assert buf.fence(["c:1"], "never-sent") == set()
+    assert buf.push({"c:1": 5}, "never-sent") == set()  # fenced: it can no longer apply
+    assert pending(client, 0) == {"c:1": 1}
+    assert buf.fence(["c:1"], "never-sent") == set()  # fencing twice is harmless
