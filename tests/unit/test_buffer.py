@@ -318,10 +318,10 @@ def test_push_and_snapshot_survive_a_flushed_script_cache(buf, client, deltas):
 
 
 def test_push_delivered_too_late_is_refused(buf, client, monkeypatch):
+    from types import SimpleNamespace
+
     from counters import buffer as buffer_module
     from counters.exceptions import StalePush
-
-    from types import SimpleNamespace
 
     real_time = buffer_module.time.time  # the writer's clock an hour behind Redis's
     monkeypatch.setattr(buffer_module, "time", SimpleNamespace(time=lambda: real_time() - 3600))
