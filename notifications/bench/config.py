@@ -14,7 +14,7 @@ class BenchConfig:
     #: Length of one measured write run, in seconds.
     seconds: float = 2.0
     #: Interleaved rounds of every (workload, mode) pair.
-    rounds: int = 3
+    rounds: int = 5
     #: Unrecorded run of every pair before the first round, in seconds.
     warmup: float = 0.5
     spread_users: int = 10_000

@@ -131,6 +131,7 @@ def run(config: BenchConfig, sections: tuple[str, ...], progress: Callable[[str]
             flush.delete_ledger_rows(batch_ids)
             data.delete_epochs(prefix)
             data.delete_bench_data(prefix)
+            data.vacuum_after_delete()
     results["load_end"] = report.load()
     results["targets"] = report.targets(results)
     return results

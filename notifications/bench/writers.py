@@ -174,7 +174,11 @@ class WriterPool:
 
 
 def measure(pool: WriterPool, rounds: int, seconds: float, warmup: float) -> dict:
-    """Interleaved rounds of every (workload, mode); median ops/s and ratios per workload."""
+    """Interleaved rounds of every (workload, mode); median ops/s and ratios per workload.
+
+    A ratio is the median of the per-round ratios: the runs of one round are
+    adjacent in time, so they share whatever else the machine was doing.
+    """
     for workload in WORKLOADS:
         for mode in MODES:
             if warmup > 0:
@@ -188,10 +192,15 @@ def measure(pool: WriterPool, rounds: int, seconds: float, warmup: float) -> dic
     result: dict = {}
     for workload, by_mode in rates.items():
         medians = {mode: statistics.median(values) for mode, values in by_mode.items()}
+        tally = by_mode["tally"]
         result[workload] = {
             **{f"{mode}_ops_per_s": round(v, 1) for mode, v in medians.items()},
-            "tally_off": round(medians["tally"] / medians["off"], 3),
-            "tally_naive": round(medians["tally"] / medians["naive"], 3),
+            "tally_off": round(_ratio(tally, by_mode["off"]), 3),
+            "tally_naive": round(_ratio(tally, by_mode["naive"]), 3),
             "rounds": {mode: [round(v, 1) for v in values] for mode, values in by_mode.items()},
         }
     return result
+
+
+def _ratio(numerators: list[float], denominators: list[float]) -> float:
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
