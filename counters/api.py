@@ -10,7 +10,9 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from django.core.signals import setting_changed
 from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from django.dispatch import receiver
 from django.utils import timezone
 from redis import Redis, RedisError
 from redis.backoff import NoBackoff
@@ -55,15 +57,34 @@ def get_client(url: str | None = None, timeout: float | None = None) -> Redis:
     return client
 
 
+_current: Buffer | None = None
+
+
 def get_buffer() -> Buffer:
-    """The Buffer configured by the ``COUNTERS_*`` settings."""
+    """The Buffer configured by the ``COUNTERS_*`` settings.
+
+    Cached for the hot path; a changed setting (``setting_changed``, as sent by
+    ``override_settings``) makes the next call read the settings again.
+    """
+    global _current
+    buffer = _current
+    if buffer is not None:
+        return buffer
     url, timeout = conf.redis_url(), conf.socket_timeout()
     prefix, shards = conf.key_prefix(), conf.shards()
     key = (url, timeout, prefix, shards)
     buffer = _buffers.get(key)
     if buffer is None:
         buffer = _buffers[key] = Buffer(get_client(url, timeout), prefix, shards)
+    _current = buffer
     return buffer
+
+
+@receiver(setting_changed)
+def _forget_buffer(setting: str, **kwargs: Any) -> None:
+    global _current
+    if setting.startswith("COUNTERS_") or setting == "REDIS_URL":
+        _current = None
 
 
 # -- write path ---------------------------------------------------------------

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import models
+from django.db import connections, models
 
 from .registry import CounterSpec, parse_member
 from .utils import batched
@@ -57,6 +57,9 @@ def _add(qs, attname: str, value: str, keyed: Mapping[Any, int]) -> tuple[int, i
     by_delta: dict[int, list] = defaultdict(list)
     for key, delta in keyed.items():
         by_delta[delta].append(key)
+    conn = connections[qs.db]
+    if conn.vendor == "postgresql":
+        return _add_postgresql(conn, qs.model, attname, value, by_delta)
     updated = statements = 0
     for delta, group in sorted(by_delta.items()):
         for chunk in batched(group, CHUNK):
@@ -65,6 +68,28 @@ def _add(qs, attname: str, value: str, keyed: Mapping[Any, int]) -> tuple[int, i
             )
             statements += 1
     return updated, statements
+
+
+def _add_postgresql(conn, model, attname: str, value: str, by_delta) -> tuple[int, int]:
+    """The same UPDATEs with the keys as one array parameter (``= ANY(%s)``).
+
+    Same statements, same locks; it only spares building and parsing a SQL
+    text with a placeholder per key, which is most of the flusher's CPU.
+    """
+    meta = model._meta
+    qn = conn.ops.quote_name
+    key_field = meta.get_field(attname) if attname != meta.pk.attname else meta.pk
+    column = qn(meta.get_field(value).column)
+    sql = (
+        f"UPDATE {qn(meta.db_table)} SET {column} = {column} + %s "
+        f"WHERE {qn(key_field.column)} = ANY(%s)"
+    )
+    updated = 0
+    with conn.cursor() as cursor:
+        for delta, group in sorted(by_delta.items()):
+            cursor.execute(sql, [delta, [key_field.get_db_prep_value(k, conn) for k in group]])
+            updated += cursor.rowcount
+    return updated, len(by_delta)
 
 
 def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Applied:
