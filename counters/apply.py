@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from django.db import connections, models
 
-from .registry import CounterSpec, parse_member
+from .registry import CounterSpec, get_spec
 from .utils import batched
 
 logger = logging.getLogger(__name__)
@@ -28,11 +28,20 @@ class Applied:
 
 
 def group_by_spec(deltas: Mapping[str, int]) -> dict[CounterSpec, dict[Any, int]]:
-    grouped: dict[CounterSpec, dict[Any, int]] = defaultdict(dict)
+    """{spec: {typed key: delta}} from {"<name>:<key>": delta} (the flush's hot loop)."""
+    grouped: dict[CounterSpec, dict[Any, int]] = {}
+    by_name: dict[str, tuple[dict[Any, int], Callable[[Any], Any]]] = {}
     for member, delta in deltas.items():
-        if delta:
-            spec, key = parse_member(member)
-            grouped[spec][key] = grouped[spec].get(key, 0) + delta
+        if not delta:
+            continue
+        name, _, raw_key = member.partition(":")
+        entry = by_name.get(name)
+        if entry is None:
+            spec = get_spec(name)
+            entry = by_name[name] = (grouped.setdefault(spec, {}), spec.to_key)
+        keyed, to_key = entry
+        key = to_key(raw_key)
+        keyed[key] = keyed.get(key, 0) + delta
     return grouped
 
 

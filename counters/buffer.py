@@ -149,7 +149,10 @@ def _text(value: bytes | str) -> str:
 
 
 def _int(value: bytes | str | float | int) -> int:
-    return int(float(_text(value))) if isinstance(value, bytes | str) else int(value)
+    try:
+        return int(value)  # b"12" and "12" parse directly
+    except ValueError:
+        return int(float(_text(value)))  # Redis writes large scores as 1.5e+17
 
 
 class Buffer:

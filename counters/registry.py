@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
@@ -65,9 +66,25 @@ class CounterSpec:
         remote = self.key_model_field.remote_field
         return remote.model if remote is not None else None
 
-    def to_key(self, raw: Any) -> Any:
-        """Convert a key read back from Redis (a string) to the field's Python value."""
-        return self.key_model_field.to_python(raw)
+    @cached_property
+    def to_key(self) -> Callable[[Any], Any]:
+        """Converts a key read back from Redis (a string) to the field's Python value.
+
+        Plain ``int`` for integer keys (the common case, and the flush's hot loop),
+        else the field's ``to_python``.
+        """
+        field = self.key_model_field
+        target = field.target_field if field.is_relation else field
+        if not isinstance(target, models.IntegerField):  # Auto and BigAuto fields are
+            return field.to_python
+
+        def to_int(raw: Any) -> Any:
+            try:
+                return int(raw)
+            except ValueError:
+                return field.to_python(raw)  # raises the field's ValidationError
+
+        return to_int
 
     def member(self, key: Any) -> str:
         return f"{self.name}:{key}"
