@@ -83,7 +83,9 @@ def _add_postgresql(conn, model, attname: str, value: str, by_delta) -> tuple[in
     """The same UPDATEs with the keys as one array parameter (``= ANY(%s)``).
 
     Same statements, same locks; it only spares building and parsing a SQL
-    text with a placeholder per key, which is most of the flusher's CPU.
+    text with a placeholder per key, which is most of the flusher's CPU. Keys
+    go in sorted order, so concurrent appliers (a flush and a direct write)
+    lock rows in the same order.
     """
     meta = model._meta
     qn = conn.ops.quote_name
@@ -96,7 +98,8 @@ def _add_postgresql(conn, model, attname: str, value: str, by_delta) -> tuple[in
     updated = 0
     with conn.cursor() as cursor:
         for delta, group in sorted(by_delta.items()):
-            cursor.execute(sql, [delta, [key_field.get_db_prep_value(k, conn) for k in group]])
+            keys = sorted(key_field.get_db_prep_value(k, conn) for k in group)
+            cursor.execute(sql, [delta, keys])
             updated += cursor.rowcount
     return updated, len(by_delta)
 
