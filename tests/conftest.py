@@ -76,7 +76,6 @@ def own_redis(settings):
     """A redis-server of this test alone, which the test may kill and restart."""
     from tests.redis_server import RedisServer
 
-    server = RedisServer().start()
-    settings.COUNTERS_REDIS_URL = server.url
-    yield server
-    server.stop()
+    with RedisServer() as server:
+        settings.COUNTERS_REDIS_URL = server.url
+        yield server

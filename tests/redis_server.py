@@ -64,3 +64,9 @@ class RedisServer:
     def stop(self) -> None:
         self.kill()
         self.proc = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

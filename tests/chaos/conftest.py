@@ -61,21 +61,15 @@ def chaos_config(request) -> Config:
 @pytest.fixture
 def chaos_redis() -> Iterator[RedisServer]:
     """The buffer's Redis: this test's own server, no persistence, restarted by the chaos."""
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
 def broker_redis() -> Iterator[RedisServer]:
     """Celery's broker: a server of its own, so restarting the buffer's Redis spares it."""
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -55,6 +55,20 @@ class Config:
         return bool(self.minutes) and elapsed < self.minutes * 60
 
 
+def spawn(argv: list[str], cwd: Path, env: dict[str, str], log) -> subprocess.Popen:
+    """A process in a session of its own (killable as a group), stdout piped, stderr to ``log``."""
+    return subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def signal_group(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> bool:
     """Send ``sig`` to ``proc``'s process group; True if the process was still running."""
     if proc is None:
@@ -111,16 +125,7 @@ class CommandFlusher:
                 with self.lock:
                     if self.stopping.is_set():
                         break
-                    self.proc = subprocess.Popen(
-                        self.argv,
-                        cwd=self.cwd,
-                        env=self.env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=log,
-                        text=True,
-                        start_new_session=True,
-                    )
+                    self.proc = spawn(self.argv, self.cwd, self.env, log)
                 proc = self.proc
                 try:
                     out, _ = proc.communicate(timeout=60)
@@ -275,28 +280,18 @@ class Writers:
     ) -> None:
         for i in range(count):
             with (self.logdir / f"writer-{i}.log").open("a") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "tests.chaos.writer",
-                            f"--seconds={seconds}",
-                            f"--seed={seed * 100 + i}",
-                            f"--users={','.join(map(str, users))}",
-                            f"--hot={hot}",
-                            f"--pause={pause}",
-                            f"--name=writer-{i}",
-                        ],
-                        cwd=self.cwd,
-                        env=self.env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=log,
-                        text=True,
-                        start_new_session=True,
-                    )
-                )
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "tests.chaos.writer",
+                    f"--seconds={seconds}",
+                    f"--seed={seed * 100 + i}",
+                    f"--users={','.join(map(str, users))}",
+                    f"--hot={hot}",
+                    f"--pause={pause}",
+                    f"--name=writer-{i}",
+                ]
+                self.procs.append(spawn(argv, self.cwd, self.env, log))
 
     def wait(self, timeout: float) -> list[dict]:
         """Reports of every writer; a writer that overruns ``timeout`` is killed and fails."""
