@@ -95,6 +95,9 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not memory, so subprocesses started by tests see the test database;
     # one per test run, so runs side by side do not share it.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / f"test-tally-{os.getpid()}.sqlite3")}
+elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
+    # One test database per test run, so two checkouts testing at once never share one.
+    DATABASES["default"]["TEST"] = {"NAME": f"test_tally_{os.getpid()}"}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
