@@ -1,5 +1,4 @@
 from django.apps import AppConfig
-from django.db.models.signals import post_migrate
 
 
 class CountersConfig(AppConfig):
@@ -8,10 +7,7 @@ class CountersConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks, schedule  # noqa: F401  (registers system checks)
+        from . import checks  # noqa: F401  (registers system checks)
+        from .signals import connect_signals
 
-        post_migrate.connect(
-            schedule.ensure_periodic_task_after_migrate,
-            sender=self,
-            dispatch_uid="counters.ensure_periodic_task",
-        )
+        connect_signals(self)

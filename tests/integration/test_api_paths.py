@@ -103,8 +103,10 @@ def test_rolled_back_savepoint_drops_only_its_deltas(make_user):
             pass
         with transaction.atomic():
             Notification.objects.create(recipient=alice, verb="kept in a savepoint")
-        # nothing leaves the process before COMMIT
-        assert UnreadCounter.objects.get_count(alice) == 0
+        # a read inside the transaction sees its own changes; nothing leaves before COMMIT
+        assert UnreadCounter.objects.get_counts([alice, bob]) == {alice.pk: 2, bob.pk: 0}
+        members = [f"unread:{alice.pk}", f"unread:{bob.pk}"]
+        assert counters.get_buffer().snapshot(members).pending == dict.fromkeys(members, 0)
     assert UnreadCounter.objects.get_counts([alice, bob]) == {alice.pk: 2, bob.pk: 0}
     assert_exact(alice, bob)
 

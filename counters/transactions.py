@@ -1,0 +1,218 @@
+"""Deltas held per database transaction and sent once, after the real COMMIT.
+
+Only what commits counts. This module follows every way Django lets a
+transaction end or partly roll back:
+
+- ``atomic()`` (autocommit on): the deltas are sent by one robust
+  ``on_commit`` callback, placed *first* in the connection's queue, so that
+  another callback that raises cannot keep it from running.
+- Manual transactions (``set_autocommit(False)``, then ``commit()`` or
+  ``rollback()``), with or without ``atomic()`` blocks inside: Django runs
+  ``on_commit`` callbacks there only when autocommit is turned back on, and
+  never if the connection is closed first. The deltas are sent right after
+  ``commit()`` instead, and dropped by ``rollback()`` and ``close()``.
+- Savepoints, ``atomic()``'s and manual ones (``transaction.savepoint()`` /
+  ``savepoint_rollback()``): a rollback to a savepoint drops the deltas
+  recorded while it was open.
+
+Django has no hook for a manual commit or savepoint, so the connection's
+``commit``, ``rollback``, ``close`` and ``savepoint*`` methods are wrapped
+(once per connection object, when it connects). Outside a transaction, with
+autocommit on, the change is already committed and its deltas go at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+logger = logging.getLogger(__name__)
+
+Sender = Callable[[Mapping[str, int], str], None]
+
+_tokens = itertools.count(1)
+
+
+class _Transaction:
+    """The deltas recorded in the current transaction of one connection.
+
+    Each delta is kept under the savepoints that were open when it was
+    recorded (as tokens: savepoint ids repeat across transactions).
+    """
+
+    def __init__(self) -> None:
+        self.by_context: dict[tuple[int, ...], Counter[str]] = {}
+        self.open: list[tuple[str, int]] = []  # (savepoint id, token), oldest first
+        self.send: Sender | None = None
+        self.callback_queued = False
+        self.manual = False
+
+    def record(self, deltas: Mapping[str, int], send: Sender) -> None:
+        context = tuple(token for _, token in self.open)
+        bucket = self.by_context.get(context)
+        if bucket is None:
+            bucket = self.by_context[context] = Counter()
+        bucket.update(deltas)
+        self.send = send
+
+    def opened(self, sid: str) -> None:
+        self.open.append((sid, next(_tokens)))
+
+    def released(self, sid: str) -> None:
+        for i in range(len(self.open) - 1, -1, -1):
+            if self.open[i][0] == sid:
+                del self.open[i:]  # releasing a savepoint releases the ones opened after it
+                return
+
+    def rolled_back(self, sid: str) -> None:
+        token = next((t for s, t in reversed(self.open) if s == sid), None)
+        if token is None:
+            # Opened before this connection was followed, so before every delta held here.
+            self.by_context.clear()
+            return
+        index = next(i for i, (_, t) in enumerate(self.open) if t == token)
+        del self.open[index + 1 :]  # savepoints opened after it are gone too
+        for context in [c for c in self.by_context if token in c]:
+            del self.by_context[context]
+
+    def merged(self) -> dict[str, int]:
+        total: Counter[str] = Counter()
+        for bucket in self.by_context.values():
+            total.update(bucket)
+        return {member: delta for member, delta in total.items() if delta}
+
+    def take(self) -> tuple[dict[str, int], Sender | None]:
+        """The deltas to send now that the transaction committed; forgets them."""
+        deltas, send = self.merged(), self.send
+        self.reset()
+        return deltas, send
+
+    def reset(self) -> None:
+        self.by_context.clear()
+        self.open.clear()
+        self.send = None
+        self.callback_queued = False
+        self.manual = False
+
+
+def _state(conn: BaseDatabaseWrapper) -> _Transaction:
+    state = conn.__dict__.get("_counters_transaction")
+    if state is None:
+        install(conn)
+        state = conn.__dict__["_counters_transaction"]
+    return state
+
+
+def _deliver(conn: BaseDatabaseWrapper, state: _Transaction) -> None:
+    deltas, send = state.take()
+    if deltas and send is not None:
+        try:
+            send(deltas, conn.alias)
+        except Exception:  # the transaction has committed: never fail the caller now
+            logger.exception("could not send %s committed deltas", len(deltas))
+
+
+def connection_created(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
+    """``connection_created`` receiver: follow the transactions of every connection."""
+    install(connection)
+
+
+def install(conn: BaseDatabaseWrapper) -> None:
+    """Follow the transactions of ``conn``; idempotent."""
+    if "_counters_transaction" in conn.__dict__:
+        return
+    state = _Transaction()
+    conn.__dict__["_counters_transaction"] = state
+    commit, rollback, close = conn.commit, conn.rollback, conn.close
+    savepoint, savepoint_rollback, savepoint_commit = (
+        conn.savepoint,
+        conn.savepoint_rollback,
+        conn.savepoint_commit,
+    )
+
+    def counted_commit() -> None:
+        commit()
+        if state.manual:
+            _deliver(conn, state)
+        elif not state.callback_queued:
+            state.reset()
+
+    def counted_rollback() -> None:
+        try:
+            rollback()
+        finally:
+            state.reset()
+
+    def counted_close() -> None:
+        try:
+            close()
+        finally:
+            state.reset()  # an open transaction is rolled back by the database
+
+    def counted_savepoint() -> str | None:
+        sid = savepoint()
+        if sid is not None:
+            state.opened(sid)
+        return sid
+
+    def counted_savepoint_rollback(sid: str) -> None:
+        savepoint_rollback(sid)
+        if sid is not None:
+            state.rolled_back(sid)
+
+    def counted_savepoint_commit(sid: str) -> None:
+        savepoint_commit(sid)
+        if sid is not None:
+            state.released(sid)
+
+    conn.commit = counted_commit
+    conn.rollback = counted_rollback
+    conn.close = counted_close
+    conn.savepoint = counted_savepoint
+    conn.savepoint_rollback = counted_savepoint_rollback
+    conn.savepoint_commit = counted_savepoint_commit
+
+
+def record(deltas: Mapping[str, int], using: str, send: Sender) -> None:
+    """Have ``send(deltas, using)`` called once the current transaction on ``using`` commits.
+
+    Deltas of one transaction are summed per member and sent in one call.
+    """
+    conn = connections[using]
+    in_atomic = conn.in_atomic_block
+    if not in_atomic and conn.get_autocommit():
+        now = {member: delta for member, delta in deltas.items() if delta}
+        if now:
+            send(now, using)
+        return
+    state = _state(conn)
+    state.record(deltas, send)
+    if not in_atomic or not conn.commit_on_exit:
+        # A manual transaction (autocommit off), perhaps with atomic() blocks
+        # inside: it ends with the caller's commit() or rollback().
+        state.manual = True
+    elif not state.callback_queued:
+        state.callback_queued = True
+        # First in the queue: a callback registered earlier that raises stops
+        # Django's loop, and must not take these deltas down with it. No
+        # savepoint ids: rolled-back savepoints are handled by ``state``.
+        conn.run_on_commit.insert(0, (set(), lambda: _deliver(conn, state), True))
+
+
+def unsent(members: Iterable[str], using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:
+    """Deltas of ``members`` recorded by the current transaction on ``using``, not yet sent.
+
+    A read inside a transaction adds them, so it sees its own changes.
+    """
+    conn = connections[using]
+    state = conn.__dict__.get("_counters_transaction")
+    if state is None or not state.by_context:
+        return {}
+    merged = state.merged()
+    return {member: merged[member] for member in members if merged.get(member)}
