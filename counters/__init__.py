@@ -9,7 +9,8 @@ Public API::
     counters.flush()                             # drain Redis into the rows
 """
 
-from .api import add, add_many, flush, get_buffer, get_client, get_value, get_values
+from .api import add, add_many, flush, get_buffer, get_client
+from .reads import get_parts, get_value, get_values
 from .registry import register
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "flush",
     "get_buffer",
     "get_client",
+    "get_parts",
     "get_value",
     "get_values",
     "register",

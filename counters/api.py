@@ -7,18 +7,18 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.signals import setting_changed
-from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
 from django.dispatch import receiver
 from django.utils import timezone
 from redis import Redis, RedisError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import conf, outbox
+from . import conf, transactions
 from .buffer import Buffer
 from .exceptions import BufferUnavailable, FlushFailed, StalePush
 from .registry import get_spec
@@ -99,7 +99,7 @@ def add(name: str, key: Any, delta: int = 1, *, using: str = DEFAULT_DB_ALIAS) -
 def add_many(name: str, deltas: Mapping[Any, int], *, using: str = DEFAULT_DB_ALIAS) -> None:
     """Add several deltas ({key: delta}) to counter ``name`` after commit."""
     spec = get_spec(name)
-    outbox.record({spec.member(k): d for k, d in deltas.items() if d}, using, send)
+    transactions.record({spec.member(k): d for k, d in deltas.items() if d}, using, send)
 
 
 def send(deltas: Mapping[str, int], using: str) -> None:
@@ -209,100 +209,6 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
             )
         FlushBatch.objects.using(using).filter(pk=row.pk).update(unsettled=None)
     return compensated
-
-
-# -- read path ----------------------------------------------------------------
-
-
-def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict[Any, int]:
-    """Exact current values: stored row + pending + in-flight unless already applied.
-
-    If Redis is unreachable the stored rows are returned: changes made while
-    Redis is down are written to the rows directly, so they are the best answer
-    there is, and a page must not fail because of the buffer.
-    """
-    keys = list(dict.fromkeys(keys))
-    try:
-        parts = get_parts(name, keys, using=using)
-    except BufferUnavailable as exc:
-        logger.warning("%s; reading %s from the DB only", exc, name)
-        stored, _ = _read_rows(get_spec(name), keys, set(), using)
-        return {key: stored.get(key, 0) for key in keys}
-    return {key: stored + buffered for key, (stored, buffered) in parts.items()}
-
-
-def get_parts(
-    name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS
-) -> dict[Any, tuple[int, int]]:
-    """(stored, buffered) per key; their sum is the exact value.
-
-    Redis is read before and after the DB; if a batch was moved or acknowledged
-    in between, the read is repeated, so a delta is never counted twice or
-    missed. Raises :class:`BufferUnavailable` when Redis cannot be reached.
-    """
-    spec = get_spec(name)
-    keys = list(dict.fromkeys(keys))
-    if not keys:
-        return {}
-    members = {spec.member(k): k for k in keys}
-    buffer = get_buffer()
-    try:
-        for _ in range(5):
-            snap = buffer.snapshot(members)
-            stored, applied = _read_rows(spec, keys, set(snap.inflight_ids.values()), using)
-            if buffer.generations(snap.gens) == snap.gens:
-                break
-    except RedisError as exc:
-        raise BufferUnavailable(conf.redis_url(), exc) from exc
-    parts = {}
-    for member, key in members.items():
-        shard = buffer.shard_of(member)
-        inflight = 0 if snap.inflight_ids.get(shard) in applied else snap.inflight[member]
-        parts[key] = (stored.get(key, 0), snap.pending[member] + inflight)
-    return parts
-
-
-def get_value(name: str, key: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
-    return get_values(name, [key], using=using)[key]
-
-
-def _read_rows(spec, keys: list, batch_ids: set[str], using: str) -> tuple[dict, set[str]]:
-    """Stored values of ``keys`` and which of ``batch_ids`` are applied, in one statement.
-
-    One statement sees one snapshot, so the value and the ledger agree.
-    """
-    from .models import FlushBatch
-
-    model = spec.model
-    conn = connections[using]
-    qn = conn.ops.quote_name
-    table = qn(model._meta.db_table)
-    key_col = qn(spec.key_model_field.column)
-    value_col = qn(model._meta.get_field(spec.value_field).column)
-    ledger = qn(FlushBatch._meta.db_table)
-    ledger_pk = qn(FlushBatch._meta.pk.column)
-    ids = sorted(batch_ids)
-    rows_sql = (
-        f"SELECT {key_col}, {value_col}, NULL FROM {table} "
-        f"WHERE {key_col} IN ({', '.join(['%s'] * len(keys))})"
-    )
-    params: list = [spec.key_model_field.get_db_prep_value(k, conn) for k in keys]
-    if ids:
-        rows_sql += (
-            f" UNION ALL SELECT NULL, NULL, {ledger_pk} FROM {ledger} "
-            f"WHERE {ledger_pk} IN ({', '.join(['%s'] * len(ids))})"
-        )
-        params += ids
-    stored: dict = {}
-    applied: set[str] = set()
-    with conn.cursor() as cursor:
-        cursor.execute(rows_sql, params)
-        for key, value, batch_id in cursor.fetchall():
-            if batch_id is None:
-                stored[spec.to_key(key)] = int(value)
-            else:
-                applied.add(batch_id)
-    return stored, applied
 
 
 # -- flush ----------------------------------------------------------------------

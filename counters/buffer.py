@@ -22,7 +22,7 @@ import time
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis import Redis
 from redis.commands.core import Script
@@ -97,12 +97,17 @@ end
 return 0
 """
 
-# Snapshot for reads: generation, batch id in flight, then pending and in-flight score per member.
+# Snapshot for reads: generation, batch id in flight, pending and in-flight score per member,
+# then the value of each push marker KEYS[6..] ('' when absent).
 READ_SCRIPT = """
-local out = {redis.call('GET', KEYS[4]) or '0', redis.call('HGET', KEYS[3], 'id') or ''}
+local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local out = {redis.call('GET', gen) or '0', redis.call('HGET', batch, 'id') or ''}
 for i = 1, #ARGV do
-  out[#out + 1] = redis.call('ZSCORE', KEYS[1], ARGV[i]) or '0'
-  out[#out + 1] = redis.call('ZSCORE', KEYS[2], ARGV[i]) or '0'
+  out[#out + 1] = redis.call('ZSCORE', pending, ARGV[i]) or '0'
+  out[#out + 1] = redis.call('ZSCORE', inflight, ARGV[i]) or '0'
+end
+for i = 6, #KEYS do
+  out[#out + 1] = redis.call('GET', KEYS[i]) or ''
 end
 return out
 """
@@ -132,12 +137,17 @@ class Batch:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What Redis holds for some members at one instant."""
+    """What Redis holds for some members at one instant.
+
+    ``markers`` has the push marker of each requested push id in each shard
+    read: (shard, push id) -> "1" (applied), "fenced", or "" (unknown).
+    """
 
     gens: dict[int, int]
     inflight_ids: dict[int, str]
     pending: dict[str, int]
     inflight: dict[str, int]
+    markers: dict[tuple[int, str], str] = field(default_factory=dict)
 
 
 def shard_of(member: str, shards: int) -> int:
@@ -299,23 +309,28 @@ class Buffer:
         return {s: _text(v) for s, v in enumerate(pipe.execute()) if v is not None}
 
     # -- read path ------------------------------------------------------------
-    def snapshot(self, members: Iterable[str]) -> Snapshot:
-        """Pending and in-flight deltas of ``members``, each shard read atomically."""
+    def snapshot(self, members: Iterable[str], push_ids: Iterable[str] = ()) -> Snapshot:
+        """Pending and in-flight deltas of ``members``, each shard read atomically,
+        with the markers of ``push_ids`` (and of their take-backs) in those shards."""
         groups = self.by_shard(members)
-        calls = [(self._shard_keys(shard), group) for shard, group in groups.items()]
+        markers = [m for p in push_ids for m in (p, f"{p}-undo")]
+        calls = [
+            (self._shard_keys(shard) + [self.key(shard, f"push:{m}") for m in markers], group)
+            for shard, group in groups.items()
+        ]
         replies = self._run(self._read, calls)
-        gens: dict[int, int] = {}
-        inflight_ids: dict[int, str] = {}
-        pending: dict[str, int] = {}
-        inflight: dict[str, int] = {}
+        snap = Snapshot({}, {}, {}, {}, {})
         for (shard, group), reply in zip(groups.items(), replies, strict=True):
-            gens[shard] = _int(reply[0])
+            snap.gens[shard] = _int(reply[0])
             if reply[1]:
-                inflight_ids[shard] = _text(reply[1])
+                snap.inflight_ids[shard] = _text(reply[1])
             for i, member in enumerate(group):
-                pending[member] = _int(reply[2 + 2 * i])
-                inflight[member] = _int(reply[3 + 2 * i])
-        return Snapshot(gens, inflight_ids, pending, inflight)
+                snap.pending[member] = _int(reply[2 + 2 * i])
+                snap.inflight[member] = _int(reply[3 + 2 * i])
+            offset = 2 + 2 * len(group)
+            for i, marker in enumerate(markers):
+                snap.markers[(shard, marker)] = _text(reply[offset + i])
+        return snap
 
     def generations(self, shards: Iterable[int]) -> dict[int, int]:
         shards = list(shards)

@@ -22,6 +22,18 @@ class BufferUnavailable(CountersError):
         super().__init__(f"Redis unreachable at {url}: {cause}")
 
 
+class InconsistentRead(CountersError):
+    """No reading of ``counter`` could be proven consistent: batches of ``shards``
+    kept moving while it was read, and their leases stayed busy."""
+
+    def __init__(self, counter: str, shards: list[int]) -> None:
+        self.counter = counter
+        self.shards = shards
+        super().__init__(
+            f"could not read {counter!r} consistently: shards {shards} kept flushing; try again"
+        )
+
+
 class StalePush(CountersError):
     """Redis refused a push that reached it too late (clocks apart, or a stalled client)."""
 

@@ -1,6 +1,9 @@
 from django.db import models
 from django.utils import timezone
 
+#: Batch id prefix of direct writes (``fallback-<push id>``).
+FALLBACK_PREFIX = "fallback-"
+
 
 class FlushBatch(models.Model):
     """Ledger of applied batches: one row per batch, written in the same DB
