@@ -2,12 +2,14 @@
 
 Keys are read in keyset-paginated pages (never OFFSET), so memory and the
 cost per page stay flat however many rows there are. For each page the exact
-value (stored + buffered) is compared with the truth. A difference is
-confirmed by another reading after a short delay, because a write that has
-committed but not yet reached Redis looks like drift for a moment; only the
-same difference seen twice in a row is repaired, by adding ``truth - exact``
-through ``add_many()`` like any other change. Writers and flushers can keep
-running.
+value (stored + buffered) is compared with the truth, read just before and
+just after it: a key whose truth moved meanwhile proves nothing and is read
+again. A write that has committed but not yet reached Redis looks like drift
+for a moment, so a difference is repaired only once ``CONFIRM_READINGS``
+readings in a row, each a delay longer than that apart, showed the same one:
+then ``truth - exact`` is added through ``add_many()`` like any other change.
+Writers and flushers can keep running; a key that never gives such readings
+is reported as unstable, never guessed at.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
 
-from . import api, conf
+from . import api, conf, reads
 from .exceptions import CountersError
 from .registry import CounterSpec, get_spec
 from .utils import batched
 
 Progress = Callable[[int, int], None]
 
-#: Readings of a suspect key before it is given up as still changing.
-CONFIRM_ROUNDS = 5
+#: Readings in a row that must show the same difference before it is repaired.
+CONFIRM_READINGS = 3
+#: Readings of a suspect key after the first, before it is given up as still changing.
+CONFIRM_ROUNDS = 8
 
 
 class NoTruthSource(CountersError):
@@ -85,16 +89,27 @@ def _pages(spec: CounterSpec, keys: Iterable[Any] | None, size: int) -> Iterator
         after = page[-1]
 
 
-def _drifts(spec: CounterSpec, page: list[Any], using: str) -> dict[Any, Drift]:
-    parts = api.get_parts(spec.name, page, using=using)  # buffer first, then truth
-    truths = spec.source.count_for(page)
-    drifts = {}
+def _drifts(spec: CounterSpec, page: list[Any], using: str) -> tuple[dict[Any, Drift], set]:
+    """The keys of ``page`` whose exact value differs from the truth, and the keys
+    whose truth moved while they were read (their reading proves nothing).
+
+    The truth is read before and after the exact value: a change committed in
+    between (whose delta may or may not have reached Redis yet) shows as a
+    moved truth, never as drift.
+    """
+    before = spec.source.count_for(page)
+    parts = reads.get_parts(spec.name, page, using=using)
+    after = spec.source.count_for(page)
+    drifts, moved = {}, set()
     for key in page:
+        truth = int(before.get(key, 0))
+        if truth != int(after.get(key, 0)):
+            moved.add(key)
+            continue
         stored, pending = parts[key]
-        truth = int(truths.get(key, 0))
         if stored + pending != truth:
             drifts[key] = Drift(key, stored, pending, truth)
-    return drifts
+    return drifts, moved
 
 
 def rebuild(
@@ -122,19 +137,32 @@ def rebuild(
     report = RebuildReport(counter=name, dry_run=dry_run)
     started = time.monotonic()
     for page in _pages(spec, keys, batch_size):
-        suspects = _drifts(spec, page, using)
+        drifts, moved = _drifts(spec, page, using)
+        # key -> (latest difference, how many readings in a row showed it)
+        suspects: dict[Any, tuple[Drift | None, int]] = {k: (d, 1) for k, d in drifts.items()}
+        suspects.update(dict.fromkeys(moved, (None, 0)))
         for _ in range(CONFIRM_ROUNDS):
             if not suspects:
                 break
             time.sleep(confirm_delay)
-            again = _drifts(spec, list(suspects), using)
-            confirmed = {k: d for k, d in again.items() if suspects[k].error == d.error}
+            again, moved = _drifts(spec, list(suspects), using)
+            confirmed, still = {}, {}
+            for key, (last, seen) in suspects.items():
+                if key in moved:
+                    still[key] = (last, seen)  # this reading proves nothing
+                elif key in again:
+                    drift = again[key]
+                    same = last is not None and last.error == drift.error
+                    seen = seen + 1 if same else 1
+                    if seen >= CONFIRM_READINGS:
+                        confirmed[key] = drift
+                    else:
+                        still[key] = (drift, seen)
             report.wrong.extend(confirmed.values())
             if confirmed and not dry_run:
                 api.add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
                 report.repaired += len(confirmed)
-            # a key whose error moved is compared with its newest reading next round
-            suspects = {k: d for k, d in again.items() if k not in confirmed}
+            suspects = still
         report.unstable.extend(suspects)
         report.checked += len(page)
         if progress is not None:
