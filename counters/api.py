@@ -91,15 +91,28 @@ def _forget_buffer(setting: str, **kwargs: Any) -> None:
 
 
 def add(name: str, key: Any, delta: int = 1, *, using: str = DEFAULT_DB_ALIAS) -> None:
-    """Add ``delta`` to counter ``name`` at ``key`` once the current transaction commits."""
-    if delta:
-        add_many(name, {key: delta}, using=using)
+    """Add ``delta`` to counter ``name`` at ``key`` once the current transaction commits.
+
+    Raises :class:`InvalidKey` if ``key`` is not a valid key of the counter.
+    """
+    add_many(name, {key: delta}, using=using)
 
 
 def add_many(name: str, deltas: Mapping[Any, int], *, using: str = DEFAULT_DB_ALIAS) -> None:
-    """Add several deltas ({key: delta}) to counter ``name`` after commit."""
+    """Add several deltas ({key: delta}) to counter ``name`` after commit.
+
+    Keys are normalised first (``"7"`` and ``7`` are one key, their deltas
+    add up); a key that is not valid raises :class:`InvalidKey` and nothing
+    of the call is recorded.
+    """
     spec = get_spec(name)
-    outbox.record({spec.member(k): d for k, d in deltas.items() if d}, using, send)
+    members: dict[str, int] = {}
+    for key, delta in deltas.items():
+        member = spec.member(key)
+        members[member] = members.get(member, 0) + delta
+    changed = {member: delta for member, delta in members.items() if delta}
+    if changed:
+        outbox.record(changed, using, send)
 
 
 def send(deltas: Mapping[str, int], using: str) -> None:
@@ -226,8 +239,10 @@ def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS)
         parts = get_parts(name, keys, using=using)
     except BufferUnavailable as exc:
         logger.warning("%s; reading %s from the DB only", exc, name)
-        stored, _ = _read_rows(get_spec(name), keys, set(), using)
-        return {key: stored.get(key, 0) for key in keys}
+        spec = get_spec(name)
+        normal = {key: spec.normalize(key) for key in keys}
+        stored, _ = _read_rows(spec, list(dict.fromkeys(normal.values())), set(), using)
+        return {key: stored.get(normal[key], 0) for key in keys}
     return {key: stored + buffered for key, (stored, buffered) in parts.items()}
 
 
@@ -244,21 +259,24 @@ def get_parts(
     keys = list(dict.fromkeys(keys))
     if not keys:
         return {}
-    members = {spec.member(k): k for k in keys}
+    # Keys are normalised ("7" and 7 read one counter); the result keeps the caller's keys.
+    normal = {key: spec.normalize(key) for key in keys}
+    members = {key: spec.member(value) for key, value in normal.items()}
+    distinct = list(dict.fromkeys(normal.values()))
     buffer = get_buffer()
     try:
         for _ in range(5):
-            snap = buffer.snapshot(members)
-            stored, applied = _read_rows(spec, keys, set(snap.inflight_ids.values()), using)
+            snap = buffer.snapshot(dict.fromkeys(members.values()))
+            stored, applied = _read_rows(spec, distinct, set(snap.inflight_ids.values()), using)
             if buffer.generations(snap.gens) == snap.gens:
                 break
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc
     parts = {}
-    for member, key in members.items():
+    for key, member in members.items():
         shard = buffer.shard_of(member)
         inflight = 0 if snap.inflight_ids.get(shard) in applied else snap.inflight[member]
-        parts[key] = (stored.get(key, 0), snap.pending[member] + inflight)
+        parts[key] = (stored.get(normal[key], 0), snap.pending[member] + inflight)
     return parts
 
 

@@ -117,7 +117,8 @@ def rebuild(
         raise NoTruthSource(name)
     if confirm_delay is None:
         confirm_delay = 2 * conf.socket_timeout() + 0.2
-    keys = list(dict.fromkeys(keys)) if keys is not None else None
+    # normalised, so "7" is compared with the truth of key 7
+    keys = list(dict.fromkeys(map(spec.normalize, keys))) if keys is not None else None
     total = len(keys) if keys is not None else spec.source.estimate()
     report = RebuildReport(counter=name, dry_run=dry_run)
     started = time.monotonic()
