@@ -75,19 +75,21 @@ class RebuildReport:
         return data
 
 
-def _pages(spec: CounterSpec, keys: Iterable[Any] | None, size: int) -> Iterator[list[Any]]:
+def _pages(
+    spec: CounterSpec, keys: Iterable[Any] | None, size: int, using: str
+) -> Iterator[list[Any]]:
     if keys is not None:
         yield from batched(keys, size)
         return
     after = None
-    while page := spec.source.keys_after(after, size):
+    while page := spec.source.keys_after(after, size, using=using):
         yield page
         after = page[-1]
 
 
 def _drifts(spec: CounterSpec, page: list[Any], using: str) -> dict[Any, Drift]:
     parts = api.get_parts(spec.name, page, using=using)  # buffer first, then truth
-    truths = spec.source.count_for(page)
+    truths = spec.source.count_for(page, using=using)
     drifts = {}
     for key in page:
         stored, pending = parts[key]
@@ -119,10 +121,10 @@ def rebuild(
         confirm_delay = 2 * conf.socket_timeout() + 0.2
     # normalised, so "7" is compared with the truth of key 7
     keys = list(dict.fromkeys(map(spec.normalize, keys))) if keys is not None else None
-    total = len(keys) if keys is not None else spec.source.estimate()
+    total = len(keys) if keys is not None else spec.source.estimate(using=using)
     report = RebuildReport(counter=name, dry_run=dry_run)
     started = time.monotonic()
-    for page in _pages(spec, keys, batch_size):
+    for page in _pages(spec, keys, batch_size, using):
         suspects = _drifts(spec, page, using)
         for _ in range(CONFIRM_ROUNDS):
             if not suspects:

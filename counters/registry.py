@@ -16,20 +16,24 @@ from .exceptions import InvalidKey, UnknownCounter
 
 
 class TruthSource(Protocol):
-    """Where a counter's true values come from, for rebuilds."""
+    """Where a counter's true values come from, for rebuilds.
 
-    def keys_after(self, after: Any | None, limit: int) -> list[Any]:
+    ``using`` is the database alias whose counters are being rebuilt: the
+    truth must be read from that database.
+    """
+
+    def keys_after(self, after: Any | None, limit: int, *, using: str) -> list[Any]:
         """Up to ``limit`` keys greater than ``after`` (None: from the start), in order.
 
         Keyset pagination: never OFFSET, so the cost per page stays flat.
         """
         ...
 
-    def count_for(self, keys: list[Any]) -> dict[Any, int]:
+    def count_for(self, keys: list[Any], *, using: str) -> dict[Any, int]:
         """The true value of each key (keys left out are 0)."""
         ...
 
-    def estimate(self) -> int:
+    def estimate(self, *, using: str) -> int:
         """About how many keys ``keys_after`` will yield in all (for progress)."""
         ...
 
