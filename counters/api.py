@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -11,7 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from django.core.signals import setting_changed
-from django.db import DEFAULT_DB_ALIAS, OperationalError, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    OperationalError,
+    connections,
+    router,
+    transaction,
+)
 from django.dispatch import receiver
 from django.utils import timezone
 from redis import Redis, RedisError
@@ -57,49 +65,81 @@ def get_client(url: str | None = None, timeout: float | None = None) -> Redis:
     return client
 
 
-_current: Buffer | None = None
+_current: dict[str, Buffer] = {}
 
 
-def get_buffer() -> Buffer:
-    """The Buffer configured by the ``COUNTERS_*`` settings.
+def get_buffer(using: str = DEFAULT_DB_ALIAS) -> Buffer:
+    """The Buffer of database ``using``, configured by the ``COUNTERS_*`` settings.
+
+    Each database has a buffer of its own, so deltas go back to the database
+    they were recorded on: the key prefix is ``COUNTERS_KEY_PREFIX`` for
+    "default" and ``<prefix>.<alias>`` for any other alias.
 
     Cached for the hot path; a changed setting (``setting_changed``, as sent by
     ``override_settings``) makes the next call read the settings again.
     """
-    global _current
-    buffer = _current
+    buffer = _current.get(using)
     if buffer is not None:
         return buffer
     url, timeout = conf.redis_url(), conf.socket_timeout()
-    prefix, shards = conf.key_prefix(), conf.shards()
+    prefix, shards = buffer_prefix(using), conf.shards()
     key = (url, timeout, prefix, shards)
     buffer = _buffers.get(key)
     if buffer is None:
         buffer = _buffers[key] = Buffer(get_client(url, timeout), prefix, shards)
-    _current = buffer
+    _current[using] = buffer
     return buffer
+
+
+def buffer_prefix(using: str = DEFAULT_DB_ALIAS) -> str:
+    """Key prefix of the buffer of database ``using`` (the default's is the bare prefix)."""
+    prefix = conf.key_prefix()
+    return prefix if using == DEFAULT_DB_ALIAS else f"{prefix}.{using}"
+
+
+def databases() -> list[str]:
+    """Aliases that a flush without an alias drains (``COUNTERS_DATABASES``).
+
+    Default: every database the routers let the counters app migrate to.
+    """
+    configured = conf.databases()
+    if configured is not None:
+        return configured
+    return [alias for alias in connections if router.allow_migrate(alias, "counters")]
 
 
 @receiver(setting_changed)
 def _forget_buffer(setting: str, **kwargs: Any) -> None:
-    global _current
     if setting.startswith("COUNTERS_") or setting == "REDIS_URL":
-        _current = None
+        _current.clear()
 
 
 # -- write path ---------------------------------------------------------------
 
 
 def add(name: str, key: Any, delta: int = 1, *, using: str = DEFAULT_DB_ALIAS) -> None:
-    """Add ``delta`` to counter ``name`` at ``key`` once the current transaction commits."""
-    if delta:
-        add_many(name, {key: delta}, using=using)
+    """Add ``delta`` to counter ``name`` at ``key`` once the current transaction commits.
+
+    Raises :class:`InvalidKey` if ``key`` is not a valid key of the counter.
+    """
+    add_many(name, {key: delta}, using=using)
 
 
 def add_many(name: str, deltas: Mapping[Any, int], *, using: str = DEFAULT_DB_ALIAS) -> None:
-    """Add several deltas ({key: delta}) to counter ``name`` after commit."""
+    """Add several deltas ({key: delta}) to counter ``name`` after commit.
+
+    Keys are normalised first (``"7"`` and ``7`` are one key, their deltas
+    add up); a key that is not valid raises :class:`InvalidKey` and nothing
+    of the call is recorded.
+    """
     spec = get_spec(name)
-    transactions.record({spec.member(k): d for k, d in deltas.items() if d}, using, send)
+    members: dict[str, int] = {}
+    for key, delta in deltas.items():
+        member = spec.member(key)
+        members[member] = members.get(member, 0) + delta
+    changed = {member: delta for member, delta in members.items() if delta}
+    if changed:
+        transactions.record(changed, using, send)
 
 
 def send(deltas: Mapping[str, int], using: str) -> None:
@@ -108,7 +148,7 @@ def send(deltas: Mapping[str, int], using: str) -> None:
     Never raises: it runs after COMMIT, where the request has already succeeded.
     """
     push_id = uuid.uuid4().hex
-    buffer = get_buffer()
+    buffer = get_buffer(using)
     maybe_sent = False
     for attempt in (1, 2):
         try:
@@ -214,9 +254,11 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
 # -- flush ----------------------------------------------------------------------
 
 
-def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
-    """Flush every shard once with the configured settings; returns a FlushResult.
+def flush(*, using: str | None = None, time_budget: float | None = None):
+    """Flush every shard of database ``using`` once; returns a FlushResult.
 
+    Without ``using``, every database of :func:`databases` is flushed (see
+    :func:`flush_databases`) and the result is their sum.
     Records the result for ``counters_status``. If a shard lost its data and
     ``COUNTERS_AUTO_REBUILD`` is on, rebuilds every counter that has a source.
     Raises :class:`BufferUnavailable` when Redis cannot be reached and
@@ -224,7 +266,9 @@ def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
     """
     from .flusher import flush as run_flush
 
-    buffer = get_buffer()
+    if using is None:
+        return _added_up(list(flush_databases(time_budget=time_budget).values()))
+    buffer = get_buffer(using)
     try:
         # Fence late pushes first, so that what they added and what takes it
         # back cancel out in the pending set before this flush moves it.
@@ -246,6 +290,53 @@ def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
     if result.failed_shards:
         raise FlushFailed(result, result.failed_shards)
     return result
+
+
+def flush_databases(*, time_budget: float | None = None) -> dict:
+    """Flush each database of :func:`databases` once; returns {alias: FlushResult}.
+
+    Each database gets its own time budget. One database failing does not
+    keep the others from being flushed: once all have run, the first error is
+    raised again. Redis being unreachable stops at once (it is one Redis).
+    """
+    results: dict = {}
+    error: Exception | None = None
+    aliases = databases()
+    for alias in aliases:
+        try:
+            results[alias] = flush(using=alias, time_budget=time_budget)
+        except BufferUnavailable:
+            raise
+        except (FlushFailed, DatabaseError) as exc:
+            if len(aliases) > 1:  # name the database; the caller sees only the first error
+                line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                logger.error("flush of database %r failed: %s", alias, line[:300])
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def _added_up(results: list):
+    """One FlushResult of several: counts added, flags or-ed, shard lists merged."""
+    from .flusher import FlushResult
+
+    if len(results) == 1:
+        return results[0]
+    total = FlushResult()
+    for result in results:
+        for item in dataclasses.fields(result):
+            mine, theirs = getattr(total, item.name), getattr(result, item.name)
+            if isinstance(mine, list):
+                theirs = sorted(set(mine) | set(theirs))
+            elif isinstance(mine, dict):
+                theirs = {**theirs, **mine}
+            elif isinstance(mine, bool):
+                theirs = mine or theirs
+            else:
+                theirs = mine + theirs
+            setattr(total, item.name, theirs)
+    return total
 
 
 def record_flush(buffer: Buffer, result) -> None:

@@ -85,6 +85,15 @@ SETTINGS: dict[str, Setting] = {
             False,
             "Rebuild every counter when a flush finds that Redis lost its data.",
         ),
+        Setting(
+            "COUNTERS_DATABASES",
+            list,
+            None,
+            "Database aliases a flush without an alias drains (the periodic task, "
+            "notification_update_counter without --database); a list, or a comma-separated "
+            "string in the environment. Default: every alias the database routers let "
+            "the counters app migrate to.",
+        ),
     )
 }
 
@@ -97,6 +106,9 @@ def parse(setting: Setting, raw: Any) -> Any:
         return None
     if setting.type is bool and isinstance(raw, str):
         return raw.strip().lower() in {"1", "true", "yes", "on"}
+    if setting.type is list:
+        items = raw.split(",") if isinstance(raw, str) else raw
+        return [str(item).strip() for item in items if str(item).strip()]
     if setting.type is int and isinstance(raw, float) and not raw.is_integer():
         raise ValueError(f"{setting.name} must be a whole number, got {raw!r}")
     return setting.type(raw)
@@ -150,3 +162,7 @@ def ledger_retention() -> int:
 
 def auto_rebuild() -> bool:
     return get("COUNTERS_AUTO_REBUILD")
+
+
+def databases() -> list[str] | None:
+    return get("COUNTERS_DATABASES")

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+def _capped(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class CountersError(Exception):
     """Base class of every error the counters app raises on purpose."""
 
@@ -11,6 +15,22 @@ class UnknownCounter(CountersError, LookupError):
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"no counter named {name!r} is registered")
+
+
+class InvalidKey(CountersError, ValueError):
+    """``key`` is no valid key of counter ``counter``; ``reason`` says why.
+
+    Raised by ``add()`` before anything is buffered, so a delta that could
+    never be applied never reaches Redis.
+    """
+
+    def __init__(self, counter: str, key: object, reason: str) -> None:
+        self.counter = counter
+        self.key = key
+        self.reason = reason
+        super().__init__(
+            f"invalid key {_capped(repr(key))} for counter {counter!r}: {_capped(reason)}"
+        )
 
 
 class BufferUnavailable(CountersError):

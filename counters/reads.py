@@ -59,10 +59,13 @@ def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS)
     except BufferUnavailable as exc:
         logger.warning("%s; reading %s from the DB only", exc, name)
         spec = get_spec(name)
-        members = {spec.member(k): k for k in keys}
-        stored = _read_rows(spec, list(members.values()), set(), using).stored
-        own = transactions.unsent(members, using)
-        return {key: stored.get(key, 0) + own.get(m, 0) for m, key in members.items()}
+        normal = {key: spec.normalize(key) for key in keys}
+        stored = _read_rows(spec, list(dict.fromkeys(normal.values())), set(), using).stored
+        own = transactions.unsent([spec.member(v) for v in normal.values()], using)
+        return {
+            key: stored.get(value, 0) + own.get(spec.member(value), 0)
+            for key, value in normal.items()
+        }
     return {key: stored + buffered for key, (stored, buffered) in parts.items()}
 
 
@@ -85,8 +88,10 @@ def get_parts(
     keys = list(dict.fromkeys(keys))
     if not keys:
         return {}
-    members = {spec.member(k): k for k in keys}
-    buffer = get_buffer()
+    # Keys are normalised ("7" and 7 read one counter); the result keeps the caller's keys.
+    normal = {key: spec.normalize(key) for key in keys}
+    members = {spec.member(value): value for value in normal.values()}
+    buffer = get_buffer(using)
     try:
         snap, rows = _consistent_reading(buffer, spec, members, using)
     except RedisError as exc:
@@ -94,11 +99,12 @@ def get_parts(
     own = transactions.unsent(members, using)
     twice = _counted_twice(buffer, snap, rows)
     parts = {}
-    for member, key in members.items():
+    for key, value in normal.items():
+        member = spec.member(value)
         shard = buffer.shard_of(member)
         inflight = 0 if snap.inflight_ids.get(shard) in rows.applied else snap.inflight[member]
         buffered = snap.pending[member] + inflight + own.get(member, 0) - twice.get(member, 0)
-        parts[key] = (rows.stored.get(key, 0), buffered)
+        parts[key] = (rows.stored.get(value, 0), buffered)
     return parts
 
 

@@ -79,12 +79,14 @@ class RebuildReport:
         return data
 
 
-def _pages(spec: CounterSpec, keys: Iterable[Any] | None, size: int) -> Iterator[list[Any]]:
+def _pages(
+    spec: CounterSpec, keys: Iterable[Any] | None, size: int, using: str
+) -> Iterator[list[Any]]:
     if keys is not None:
         yield from batched(keys, size)
         return
     after = None
-    while page := spec.source.keys_after(after, size):
+    while page := spec.source.keys_after(after, size, using=using):
         yield page
         after = page[-1]
 
@@ -97,9 +99,9 @@ def _drifts(spec: CounterSpec, page: list[Any], using: str) -> tuple[dict[Any, D
     between (whose delta may or may not have reached Redis yet) shows as a
     moved truth, never as drift.
     """
-    before = spec.source.count_for(page)
+    before = spec.source.count_for(page, using=using)
     parts = reads.get_parts(spec.name, page, using=using)
-    after = spec.source.count_for(page)
+    after = spec.source.count_for(page, using=using)
     drifts, moved = {}, set()
     for key in page:
         truth = int(before.get(key, 0))
@@ -132,11 +134,12 @@ def rebuild(
         raise NoTruthSource(name)
     if confirm_delay is None:
         confirm_delay = 2 * conf.socket_timeout() + 0.2
-    keys = list(dict.fromkeys(keys)) if keys is not None else None
-    total = len(keys) if keys is not None else spec.source.estimate()
+    # normalised, so "7" is compared with the truth of key 7
+    keys = list(dict.fromkeys(map(spec.normalize, keys))) if keys is not None else None
+    total = len(keys) if keys is not None else spec.source.estimate(using=using)
     report = RebuildReport(counter=name, dry_run=dry_run)
     started = time.monotonic()
-    for page in _pages(spec, keys, batch_size):
+    for page in _pages(spec, keys, batch_size, using):
         drifts, moved = _drifts(spec, page, using)
         # key -> (latest difference, how many readings in a row showed it)
         suspects: dict[Any, tuple[Drift | None, int]] = {k: (d, 1) for k, d in drifts.items()}

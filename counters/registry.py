@@ -8,26 +8,32 @@ from functools import cached_property
 from typing import Any, Protocol
 
 from django.apps import apps
+from django.core import validators
+from django.core.exceptions import ValidationError
 from django.db import models
 
-from .exceptions import UnknownCounter
+from .exceptions import InvalidKey, UnknownCounter
 
 
 class TruthSource(Protocol):
-    """Where a counter's true values come from, for rebuilds."""
+    """Where a counter's true values come from, for rebuilds.
 
-    def keys_after(self, after: Any | None, limit: int) -> list[Any]:
+    ``using`` is the database alias whose counters are being rebuilt: the
+    truth must be read from that database.
+    """
+
+    def keys_after(self, after: Any | None, limit: int, *, using: str) -> list[Any]:
         """Up to ``limit`` keys greater than ``after`` (None: from the start), in order.
 
         Keyset pagination: never OFFSET, so the cost per page stays flat.
         """
         ...
 
-    def count_for(self, keys: list[Any]) -> dict[Any, int]:
+    def count_for(self, keys: list[Any], *, using: str) -> dict[Any, int]:
         """The true value of each key (keys left out are 0)."""
         ...
 
-    def estimate(self) -> int:
+    def estimate(self, *, using: str) -> int:
         """About how many keys ``keys_after`` will yield in all (for progress)."""
         ...
 
@@ -86,8 +92,44 @@ class CounterSpec:
 
         return to_int
 
+    @cached_property
+    def _bounds(self) -> list[Callable[[Any], None]]:
+        """The key field's range and length validators: a key outside them cannot be stored."""
+        field = self.key_model_field
+        target = field.target_field if field.is_relation else field
+        kinds = (
+            validators.MinValueValidator,
+            validators.MaxValueValidator,
+            validators.MaxLengthValidator,
+            validators.ProhibitNullCharactersValidator,
+        )
+        return [v for v in target.validators if isinstance(v, kinds)]
+
+    def normalize(self, key: Any) -> Any:
+        """``key`` as the key field's Python value (``"7"`` → ``7`` for an integer key).
+
+        Every path turns keys into members through this, so ``"7"`` and ``7``
+        are one counter. Raises :class:`InvalidKey` for a model instance, None,
+        or a value the field cannot hold.
+        """
+        if isinstance(key, models.Model):
+            raise InvalidKey(self.name, key, "a model instance is not a key; pass obj.pk")
+        if key is None:
+            raise InvalidKey(self.name, key, "None is not a key")
+        try:
+            value = self.to_key(key)
+            for check in self._bounds:
+                check(value)
+        except (ValidationError, TypeError, ValueError) as exc:
+            reason = "; ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
+            raise InvalidKey(self.name, key, reason) from None
+        if value is None:
+            raise InvalidKey(self.name, key, "None is not a key")
+        return value
+
     def member(self, key: Any) -> str:
-        return f"{self.name}:{key}"
+        """The Redis member of ``key`` (normalised first; see :meth:`normalize`)."""
+        return f"{self.name}:{self.normalize(key)}"
 
 
 _registry: dict[str, CounterSpec] = {}

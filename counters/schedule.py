@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from django.apps import apps
+from django.db import router
 
 from . import conf
 
@@ -45,4 +46,15 @@ def ensure_periodic_task(interval: int | None = None, using: str = "default"):
 
 
 def ensure_periodic_task_after_migrate(using: str = "default", **kwargs: Any) -> None:
+    """Create the beat entry when ``migrate`` runs on the database that holds it.
+
+    django-celery-beat's tables live where the routers send PeriodicTask;
+    ``migrate --database <other alias>`` leaves the entry alone.
+    """
+    if not apps.is_installed("django_celery_beat"):
+        return
+    from django_celery_beat.models import PeriodicTask
+
+    if using != router.db_for_write(PeriodicTask):
+        return
     ensure_periodic_task(using=using)

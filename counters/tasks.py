@@ -11,8 +11,12 @@ logger = logging.getLogger(__name__)
 
 @shared_task(name="counters.flush", ignore_result=True)
 def flush_counters() -> dict:
-    """Periodic flush (django-celery-beat). Overlapping runs are safe: leases."""
-    result = api.flush()
-    if result.batches or result.recovered or result.incomplete:
-        logger.info("%s", result.summary())
-    return result.as_dict()
+    """Periodic flush (django-celery-beat) of every database of ``api.databases()``.
+
+    Overlapping runs are safe: leases. Returns {alias: result as a dict}.
+    """
+    results = api.flush_databases()
+    for alias, result in results.items():
+        if result.batches or result.recovered or result.incomplete:
+            logger.info("%s: %s", alias, result.summary())
+    return {alias: result.as_dict() for alias, result in results.items()}

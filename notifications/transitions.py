@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import NotSupportedError, models, router, transaction
 
 import counters
+from counters.registry import get_spec
 from counters.utils import batched
 
 from .apps import UNREAD_COUNTER
@@ -34,8 +35,18 @@ _MISSING = object()
 
 
 def unread_by_recipient(rows: Iterable[tuple[Any, bool]]) -> Counter:
-    """{recipient_id: unread rows} from (recipient_id, is_read) pairs."""
-    return Counter(recipient for recipient, is_read in rows if not is_read)
+    """{recipient_id: unread rows} from (recipient_id, is_read) pairs.
+
+    Recipient ids are normalised like the counter's keys (``"5"`` and ``5`` are
+    one recipient), so a before and an after state compare equal when no row
+    changed recipient.
+    """
+    unread = Counter(recipient for recipient, is_read in rows if not is_read)
+    normalize = get_spec(UNREAD_COUNTER).normalize
+    normalized: Counter = Counter()
+    for recipient, count in unread.items():
+        normalized[normalize(recipient)] += count
+    return normalized
 
 
 def emit(before: Counter, after: Counter, using: str) -> None:

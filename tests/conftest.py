@@ -26,7 +26,8 @@ def is_postgres() -> bool:
 
 
 def _delete_prefix(client, prefix: str) -> None:
-    keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    # "<prefix>:*" and the buffers of other databases, "<prefix>.<alias>:*"
+    keys = list(client.scan_iter(match=f"{prefix}[:.]*", count=1000))
     for i in range(0, len(keys), 500):
         client.delete(*keys[i : i + 500])
 

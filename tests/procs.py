@@ -41,6 +41,8 @@ def project_env(*, application_name: str | None = None, **extra: str) -> dict[st
     env.update(
         DATABASE_URL=database_url(application_name),
         COUNTERS_KEY_PREFIX=settings.COUNTERS_KEY_PREFIX,
+        # The project's settings, with the one test database above (not tests.settings).
+        DJANGO_SETTINGS_MODULE="config.settings",
         PYTHONUNBUFFERED="1",
     )
     for name in ("COUNTERS_REDIS_URL", "COUNTERS_SOCKET_TIMEOUT", "COUNTERS_BATCH_SIZE"):

@@ -34,6 +34,7 @@ DEFAULTS = {
     "COUNTERS_SOCKET_TIMEOUT": 2.0,
     "COUNTERS_LEDGER_RETENTION": 604_800,
     "COUNTERS_AUTO_REBUILD": False,
+    "COUNTERS_DATABASES": None,
 }
 
 
@@ -199,6 +200,7 @@ def test_every_positive_check_has_its_own_id():
         "COUNTERS_REDIS_URL",
         "COUNTERS_KEY_PREFIX",
         "COUNTERS_AUTO_REBUILD",
+        "COUNTERS_DATABASES",
     }
 
 

@@ -25,7 +25,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options) -> None:
         try:
-            status = gather(api.get_buffer(), options["database"])
+            status = gather(api.get_buffer(options["database"]), options["database"])
         except RedisError as exc:
             raise CommandError(f"Redis unreachable at {conf.redis_url()}: {exc}") from exc
         except DatabaseError as exc:

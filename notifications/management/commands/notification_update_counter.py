@@ -1,7 +1,9 @@
 """Flush buffered counter deltas into the DB once (for cron).
 
-Exit status 0 with one summary line; non-zero with one readable line when
-Redis or the database cannot be reached.
+Exit status 0 with one summary line per database (one line when there is one
+database); non-zero with one readable line when Redis or the database cannot
+be reached. ``--database`` flushes only that alias; without it, every alias of
+``counters.api.databases()`` is flushed.
 """
 
 from __future__ import annotations
@@ -9,9 +11,10 @@ from __future__ import annotations
 import json
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError
+from django.db import DatabaseError, connections
 
 import counters
+from counters import api
 from counters.exceptions import BufferUnavailable, FlushFailed
 
 
@@ -25,15 +28,29 @@ class Command(BaseCommand):
             default=None,
             help="Seconds to spend at most (default: COUNTERS_FLUSH_TIME_BUDGET).",
         )
-        parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
-        parser.add_argument("--database", default="default", help="Database alias.")
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="Print the result as JSON (an object per alias when several are flushed).",
+        )
+        parser.add_argument(
+            "--database",
+            default=None,
+            help="Flush only this database alias (default: every alias of COUNTERS_DATABASES).",
+        )
 
     def handle(self, *args, **options) -> None:
         budget = options["time_budget"]
         if budget is not None and budget <= 0:
             raise CommandError("--time-budget must be greater than 0")
+        alias = options["database"]
+        if alias is not None and alias not in connections:
+            raise CommandError(f"--database: no database alias {alias!r} in DATABASES")
         try:
-            result = counters.flush(using=options["database"], time_budget=budget)
+            if alias is None:
+                results = api.flush_databases(time_budget=budget)
+            else:
+                results = {alias: counters.flush(using=alias, time_budget=budget)}
         except (BufferUnavailable, FlushFailed) as exc:
             raise CommandError(str(exc)) from exc
         except DatabaseError as exc:
@@ -41,7 +58,11 @@ class Command(BaseCommand):
                 str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             )
             raise CommandError(f"database error: {first_line}") from exc
-        if options["json"]:
-            self.stdout.write(json.dumps(result.as_dict()))
+        if len(results) == 1:  # one database: one line, or one result object
+            [result] = results.values()
+            self.stdout.write(json.dumps(result.as_dict()) if options["json"] else result.summary())
+        elif options["json"]:
+            self.stdout.write(json.dumps({name: r.as_dict() for name, r in results.items()}))
         else:
-            self.stdout.write(result.summary())
+            for name, result in results.items():
+                self.stdout.write(f"{name}: {result.summary()}")

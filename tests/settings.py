@@ -1,0 +1,33 @@
+"""Settings of the test suite: the project's settings plus a second database, "other".
+
+"other" uses the engine of "default" (SQLite: a file of its own; PostgreSQL:
+the same server), with a test database name of this run alone, so tests can
+check that each database gets its own deltas. Subprocesses started by the
+tests (tests/procs.py) run with ``config.settings`` and one database.
+"""
+
+from __future__ import annotations
+
+import os
+
+from config.settings import *  # noqa: F403
+from config.settings import DATABASES, VAR_DIR
+
+_default = DATABASES["default"]
+if _default["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["other"] = {
+        **_default,
+        "NAME": str(VAR_DIR / "tally-other.sqlite3"),
+        "TEST": {"NAME": str(VAR_DIR / f"test-tally-other-{os.getpid()}.sqlite3")},
+    }
+else:
+    DATABASES["other"] = {
+        **_default,
+        "NAME": f"{_default['NAME']}_other",
+        "TEST": {"NAME": f"test_tally_other_{os.getpid()}"},
+    }
+
+# A flush without an alias drains only "default" here: tests that declare only
+# "default" must not touch "other" (pytest-django refuses queries to databases
+# a test did not ask for). Tests of several databases set this themselves.
+COUNTERS_DATABASES = ["default"]
