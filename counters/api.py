@@ -11,7 +11,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.core.signals import setting_changed
-from django.db import DEFAULT_DB_ALIAS, OperationalError, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    IntegrityError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.dispatch import receiver
 from django.utils import timezone
 from redis import Redis, RedisError
@@ -127,6 +133,11 @@ def send(deltas: Mapping[str, int], using: str) -> None:
     write_direct(deltas, using, push_id=push_id, unsettled=maybe_sent)
 
 
+def _capped(deltas: Mapping[str, int], limit: int = 20) -> dict[str, int]:
+    """At most ``limit`` of ``deltas``, for a log line."""
+    return dict(list(deltas.items())[:limit])
+
+
 def write_direct(
     deltas: Mapping[str, int],
     using: str,
@@ -135,17 +146,24 @@ def write_direct(
     unsettled: bool = False,
     attempts: int = 3,
 ) -> None:
-    """Apply deltas to the DB now, recorded in the ledger as a fallback batch."""
+    """Apply deltas to the DB now, recorded in the ledger as a fallback batch.
+
+    Deltas whose counted row is gone are dropped (and counted), the others
+    applied: a row deleted while the transaction ran fails it at COMMIT, and
+    the next attempt no longer finds that row.
+    """
     global fallback_count
     from .apply import apply_deltas
     from .models import FlushBatch
 
+    batch_id = f"{FALLBACK_PREFIX}{push_id or uuid.uuid4().hex}"
+    ledger = FlushBatch.objects.using(using)
     for attempt in range(1, attempts + 1):
         try:
             with transaction.atomic(using=using):
                 applied = apply_deltas(deltas, using)
-                FlushBatch.objects.using(using).create(
-                    batch_id=f"{FALLBACK_PREFIX}{push_id or uuid.uuid4().hex}",
+                ledger.create(
+                    batch_id=batch_id,
                     kind=FlushBatch.Kind.FALLBACK,
                     keys=applied.keys,
                     deltas=applied.deltas,
@@ -154,16 +172,21 @@ def write_direct(
                 )
             fallback_count += 1
             return
-        except OperationalError:
-            # Deadlock or lock timeout against a concurrent flush: try again.
+        except (OperationalError, IntegrityError) as exc:
+            # A deadlock or lock timeout, or a foreign-key target deleted meanwhile
+            # (the deferred check fails at COMMIT): try again.
+            if isinstance(exc, IntegrityError) and ledger.filter(pk=batch_id).exists():
+                return  # this write was applied already
             if attempt == attempts:
                 logger.exception(
-                    "could not write %s deltas to the DB: %r", len(deltas), dict(deltas)
+                    "could not write %s deltas to the DB: %r", len(deltas), _capped(deltas)
                 )
                 return
             time.sleep(0.05 * attempt)
         except Exception:
-            logger.exception("could not write %s deltas to the DB: %r", len(deltas), dict(deltas))
+            logger.exception(
+                "could not write %s deltas to the DB: %r", len(deltas), _capped(deltas)
+            )
             return
 
 
