@@ -87,10 +87,19 @@ class _Names:
             self.parent = qn(spec.target_model._meta.db_table)
             self.parent_key = qn(field.target_field.column)
 
-    def join(self, key: str) -> str:
-        """Inner join of the parent table: keys whose parent row is gone drop out."""
+    def join(self, key: str, lateral: bool = False) -> str:
+        """Inner join of the parent table: keys whose parent row is gone drop out.
+
+        ``lateral`` makes PostgreSQL probe the parent's index once per key: as a
+        plain join it hashes the whole parent table for every batch.
+        """
         if self.parent is None:
             return ""
+        if lateral:
+            return (
+                f"CROSS JOIN LATERAL (SELECT 1 FROM {self.parent} AS p "
+                f"WHERE p.{self.parent_key} = {key} OFFSET 0) AS p "
+            )
         return f"JOIN {self.parent} AS p ON p.{self.parent_key} = {key} "
 
 
@@ -121,7 +130,7 @@ def _apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -
     sql = (
         f"INSERT INTO {n.table} AS t ({n.key}, {n.value}) "
         f"SELECT d.k, d.n FROM unnest(%s::{n.key_type}[], %s::bigint[]) AS d(k, n) "
-        f"{n.join('d.k')}ORDER BY d.k "
+        f"{n.join('d.k', lateral=True)}ORDER BY d.k "
         f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = t.{n.value} + EXCLUDED.{n.value} "
         # xmax is 0 in a row version this statement inserted, not in one it updated.
         f"RETURNING t.{n.key}, t.xmax = 0"

@@ -168,9 +168,7 @@ def test_flush_creates_rows_adds_to_rows_and_drops_deleted_users(applier, settin
     assert_exact(alice, bob)
 
 
-def test_a_direct_write_for_a_deleted_user_drops_only_that_user(
-    applier, redis_down_in, make_user
-):
+def test_a_direct_write_for_a_deleted_user_drops_only_that_user(applier, redis_down_in, make_user):
     redis_down_in.add(threading.current_thread())
     alice, gone = make_user(), make_user()
     gone_pk = gone.pk
