@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 from . import conf, outbox
 from .buffer import Buffer
-from .exceptions import BufferUnavailable, FlushFailed, StalePush
+from .exceptions import BufferUnavailable, FlushFailed, ScoreLimitExceeded, StalePush
 from .registry import get_spec
 
 logger = logging.getLogger(__name__)
@@ -111,15 +111,20 @@ def add_many(name: str, deltas: Mapping[Any, int], *, using: str = DEFAULT_DB_AL
 def send(deltas: Mapping[str, int], using: str) -> None:
     """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
 
-    Never raises: it runs after COMMIT, where the request has already succeeded.
+    Deltas that a Redis score cannot sum exactly (2**53 and beyond) are
+    applied to the DB directly as well. Never raises: it runs after COMMIT,
+    where the request has already succeeded.
     """
     push_id = uuid.uuid4().hex
     buffer = get_buffer()
-    maybe_sent = False
+    rest = {member: delta for member, delta in deltas.items() if delta}
+    direct: dict[str, int] = {}
+    maybe_sent = pushed = False
     for attempt in (1, 2):
         try:
-            buffer.push(deltas, push_id)
-            return
+            _push_exact(buffer, rest, direct, push_id)
+            pushed = True
+            break
         except (RedisError, StalePush) as exc:
             # The push is idempotent per push_id, so one repeat is safe even if
             # the first attempt ran and only its reply was lost. A failure after
@@ -128,9 +133,34 @@ def send(deltas: Mapping[str, int], using: str) -> None:
             maybe_sent = maybe_sent or "connecting" not in str(exc)
             if attempt == 2:
                 logger.warning(
-                    "Redis push failed (%s); writing %s deltas to the DB", exc, len(deltas)
+                    "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
                 )
-    write_direct(deltas, using, push_id=push_id, unsettled=maybe_sent)
+    if direct:
+        # These never entered Redis: nothing to fence, a settled write.
+        write_direct(direct, using)
+    if not pushed and rest:
+        write_direct(rest, using, push_id=push_id, unsettled=maybe_sent)
+
+
+def _push_exact(buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: str) -> None:
+    """Push ``rest``, moving the members Redis refuses as too large from ``rest`` to ``direct``.
+
+    A refused shard added nothing, so pushing the remainder again with the
+    same id completes it, while the shards that took the push ignore the repeat.
+    """
+    for _ in range(len(rest) + 1):
+        try:
+            buffer.push(rest, push_id)
+            return
+        except ScoreLimitExceeded as exc:
+            for member in exc.members:
+                direct[member] = rest.pop(member)
+            logger.info(
+                "%s deltas reach 2**53, beyond exact Redis scores; writing them to the DB: %s",
+                len(exc.members),
+                _capped(exc.members),
+            )
+    raise AssertionError("unreachable: every refusal removes a member")
 
 
 def _capped(deltas: Mapping[str, int], limit: int = 20) -> dict[str, int]:
