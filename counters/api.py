@@ -15,6 +15,7 @@ from django.core.signals import setting_changed
 from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
+    IntegrityError,
     OperationalError,
     connections,
     router,
@@ -28,7 +29,7 @@ from redis.retry import Retry
 
 from . import conf, transactions
 from .buffer import Buffer
-from .exceptions import BufferUnavailable, FlushFailed, StalePush
+from .exceptions import BufferUnavailable, FlushFailed, ScoreLimitExceeded, StalePush
 from .registry import get_spec
 
 logger = logging.getLogger(__name__)
@@ -145,15 +146,20 @@ def add_many(name: str, deltas: Mapping[Any, int], *, using: str = DEFAULT_DB_AL
 def send(deltas: Mapping[str, int], using: str) -> None:
     """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
 
-    Never raises: it runs after COMMIT, where the request has already succeeded.
+    Deltas that a Redis score cannot sum exactly (2**53 and beyond) are
+    applied to the DB directly as well. Never raises: it runs after COMMIT,
+    where the request has already succeeded.
     """
     push_id = uuid.uuid4().hex
     buffer = get_buffer(using)
-    maybe_sent = False
+    rest = {member: delta for member, delta in deltas.items() if delta}
+    direct: dict[str, int] = {}
+    maybe_sent = pushed = False
     for attempt in (1, 2):
         try:
-            buffer.push(deltas, push_id)
-            return
+            _push_exact(buffer, rest, direct, push_id)
+            pushed = True
+            break
         except (RedisError, StalePush) as exc:
             # The push is idempotent per push_id, so one repeat is safe even if
             # the first attempt ran and only its reply was lost. A failure after
@@ -162,9 +168,39 @@ def send(deltas: Mapping[str, int], using: str) -> None:
             maybe_sent = maybe_sent or "connecting" not in str(exc)
             if attempt == 2:
                 logger.warning(
-                    "Redis push failed (%s); writing %s deltas to the DB", exc, len(deltas)
+                    "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
                 )
-    write_direct(deltas, using, push_id=push_id, unsettled=maybe_sent)
+    if direct:
+        # These never entered Redis: nothing to fence, a settled write.
+        write_direct(direct, using)
+    if not pushed and rest:
+        write_direct(rest, using, push_id=push_id, unsettled=maybe_sent)
+
+
+def _push_exact(buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: str) -> None:
+    """Push ``rest``, moving the members Redis refuses as too large from ``rest`` to ``direct``.
+
+    A refused shard added nothing, so pushing the remainder again with the
+    same id completes it, while the shards that took the push ignore the repeat.
+    """
+    for _ in range(len(rest) + 1):
+        try:
+            buffer.push(rest, push_id)
+            return
+        except ScoreLimitExceeded as exc:
+            for member in exc.members:
+                direct[member] = rest.pop(member)
+            logger.info(
+                "%s deltas reach 2**53, beyond exact Redis scores; writing them to the DB: %s",
+                len(exc.members),
+                _capped(exc.members),
+            )
+    raise AssertionError("unreachable: every refusal removes a member")
+
+
+def _capped(deltas: Mapping[str, int], limit: int = 20) -> dict[str, int]:
+    """At most ``limit`` of ``deltas``, for a log line."""
+    return dict(list(deltas.items())[:limit])
 
 
 def write_direct(
@@ -175,39 +211,58 @@ def write_direct(
     unsettled: bool = False,
     attempts: int = 3,
 ) -> None:
-    """Apply deltas to the DB now, recorded in the ledger as a fallback batch."""
+    """Apply deltas to the DB now, recorded in the ledger as a fallback batch.
+
+    Deltas whose counted row is gone are dropped (and counted), the others
+    applied: a row deleted while the transaction ran fails it at COMMIT, and
+    the next attempt no longer finds that row.
+    """
     global fallback_count
     from .apply import apply_deltas
-    from .models import FlushBatch
+    from .models import FALLBACK_PREFIX, FlushBatch
 
+    batch_id = f"{FALLBACK_PREFIX}{push_id or uuid.uuid4().hex}"
+    ledger = FlushBatch.objects.using(using)
+    conn = connections[using]
+    # Right after the COMMIT of a manual transaction (autocommit off) this
+    # write must be a transaction of its own, committed here.
+    manual = not conn.in_atomic_block and not conn.get_autocommit()
     for attempt in range(1, attempts + 1):
         try:
             with transaction.atomic(using=using):
                 applied = apply_deltas(deltas, using)
-                FlushBatch.objects.using(using).create(
-                    batch_id=f"{FALLBACK_PREFIX}{push_id or uuid.uuid4().hex}",
+                ledger.create(
+                    batch_id=batch_id,
                     kind=FlushBatch.Kind.FALLBACK,
                     keys=applied.keys,
                     deltas=applied.deltas,
                     dropped=applied.dropped,
                     unsettled=dict(deltas) if unsettled else None,
                 )
+            if manual:
+                conn.commit()
             fallback_count += 1
             return
-        except OperationalError:
-            # Deadlock or lock timeout against a concurrent flush: try again.
+        except (OperationalError, IntegrityError) as exc:
+            if manual:
+                conn.rollback()
+            # A deadlock or lock timeout, or a foreign-key target deleted meanwhile
+            # (the deferred check fails at COMMIT): try again.
+            if isinstance(exc, IntegrityError) and ledger.filter(pk=batch_id).exists():
+                return  # this write was applied already
             if attempt == attempts:
                 logger.exception(
-                    "could not write %s deltas to the DB: %r", len(deltas), dict(deltas)
+                    "could not write %s deltas to the DB: %r", len(deltas), _capped(deltas)
                 )
                 return
             time.sleep(0.05 * attempt)
         except Exception:
-            logger.exception("could not write %s deltas to the DB: %r", len(deltas), dict(deltas))
+            if manual:
+                conn.rollback()
+            logger.exception(
+                "could not write %s deltas to the DB: %r", len(deltas), _capped(deltas)
+            )
             return
-
-
-FALLBACK_PREFIX = "fallback-"
 
 
 def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int = 500) -> int:
@@ -220,7 +275,7 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
     takes them back. Returns the number of compensated writes.
     """
     from .buffer import PUSH_MARKER_TTL_MS
-    from .models import FlushBatch
+    from .models import FALLBACK_PREFIX, FlushBatch
 
     compensated = 0
     rows = FlushBatch.objects.using(using).filter(

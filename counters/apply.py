@@ -1,8 +1,17 @@
-"""Apply deltas to counter rows: additive ``F()`` updates grouped by delta value."""
+"""Apply deltas to counter rows: one upsert per batch, rows locked in key order.
+
+Every applier (a flush, a direct write when Redis is down) creates and
+updates a counter row in the same statement, ``INSERT … ON CONFLICT (key) DO
+UPDATE SET n = n + EXCLUDED.n``, so a row that another applier commits
+meanwhile can never make a delta miss. Rows are locked in ascending key order
+in every statement, so concurrent appliers queue on each other and never
+deadlock. Deltas whose foreign-key target row is gone are dropped and counted.
+"""
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -61,78 +70,190 @@ def _alive(spec: CounterSpec, keys: list, using: str) -> set:
     return alive
 
 
-def _add(qs, attname: str, value: str, keyed: Mapping[Any, int]) -> tuple[int, int]:
-    """One additive UPDATE per distinct delta; returns (rows updated, statements)."""
+class _Names:
+    """Quoted table and column names of one counter on one connection."""
+
+    def __init__(self, spec: CounterSpec, conn) -> None:
+        qn = conn.ops.quote_name
+        meta = spec.model._meta
+        field = spec.key_model_field
+        self.table = qn(meta.db_table)
+        self.key = qn(field.column)
+        self.value = qn(meta.get_field(spec.value_field).column)
+        # The key's column type, for the array cast (an AutoField's is "integer").
+        self.key_type = field.db_type(conn) if field.is_relation else field.rel_db_type(conn)
+        self.parent = self.parent_key = None
+        if spec.target_model is not None:
+            self.parent = qn(spec.target_model._meta.db_table)
+            self.parent_key = qn(field.target_field.column)
+
+    def join(self, key: str, lateral: bool = False) -> str:
+        """Inner join of the parent table: keys whose parent row is gone drop out.
+
+        ``lateral`` makes PostgreSQL probe the parent's index once per key: as a
+        plain join it hashes the whole parent table for every batch.
+        """
+        if self.parent is None:
+            return ""
+        if lateral:
+            return (
+                f"CROSS JOIN LATERAL (SELECT 1 FROM {self.parent} AS p "
+                f"WHERE p.{self.parent_key} = {key} OFFSET 0) AS p "
+            )
+        return f"JOIN {self.parent} AS p ON p.{self.parent_key} = {key} "
+
+
+def _prepared(spec: CounterSpec, keyed: Mapping[Any, int], conn) -> dict[Any, Any]:
+    """{db value: key}: what the database returns back, mapped to the caller's keys."""
+    field = spec.key_model_field
+    return {field.get_db_prep_value(key, conn): key for key in keyed}
+
+
+def _apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tuple[set, int]:
+    """One ``INSERT … SELECT FROM unnest(keys, deltas) … ON CONFLICT DO UPDATE`` per batch.
+
+    The arrays spare a SQL text with a placeholder per key. ``ORDER BY`` makes
+    the statement lock (or create) rows in key order. RETURNING tells which
+    keys were applied: a key whose parent row is not visible is left out by
+    the join. A parent deleted by a transaction that commits after the
+    statement began is still joined, and its new counter row would fail the
+    deferred foreign-key check at COMMIT, taking every other delta of the
+    batch with it; so the parents of the rows just created are locked (as
+    that check would) and the rows of any that are gone are deleted again.
+    Rows that already existed need no check: deleting their parent deletes
+    them too.
+    """
+    conn = connections[using]
+    n = _Names(spec, conn)
+    by_db = _prepared(spec, keyed, conn)
+    keys = sorted(by_db)
+    sql = (
+        f"INSERT INTO {n.table} AS t ({n.key}, {n.value}) "
+        f"SELECT d.k, d.n FROM unnest(%s::{n.key_type}[], %s::bigint[]) AS d(k, n) "
+        f"{n.join('d.k', lateral=True)}ORDER BY d.k "
+        f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = t.{n.value} + EXCLUDED.{n.value} "
+        # xmax is 0 in a row version this statement inserted, not in one it updated.
+        f"RETURNING t.{n.key}, t.xmax = 0"
+    )
+    statements = 1
+    with conn.cursor() as cursor:
+        cursor.execute(sql, [keys, [keyed[by_db[k]] for k in keys]])
+        rows = cursor.fetchall()
+        applied = {k for k, _ in rows}
+        created = sorted(k for k, inserted in rows if inserted)
+        if created and n.parent is not None:
+            cursor.execute(
+                f"SELECT {n.parent_key} FROM {n.parent} "
+                f"WHERE {n.parent_key} = ANY(%s::{n.key_type}[]) "
+                f"ORDER BY {n.parent_key} FOR KEY SHARE",
+                [created],
+            )
+            gone = set(created) - {k for (k,) in cursor.fetchall()}
+            statements += 1
+            if gone:
+                cursor.execute(
+                    f"DELETE FROM {n.table} WHERE {n.key} = ANY(%s::{n.key_type}[])",
+                    [sorted(gone)],
+                )
+                applied -= gone
+                statements += 1
+    return {by_db[k] for k in applied}, statements
+
+
+def _apply_sqlite(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tuple[set, int]:
+    """The same upsert from a VALUES list (SQLite ≥ 3.35 for RETURNING).
+
+    SQLite has one writer at a time, so nothing can change between the join
+    and COMMIT. ``WHERE true`` resolves SQLite's parsing ambiguity between a
+    join's ON and the upsert's ON CONFLICT.
+    """
+    conn = connections[using]
+    n = _Names(spec, conn)
+    by_db = _prepared(spec, keyed, conn)
+    conn.ensure_connection()
+    limit = conn.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    applied: set = set()
+    statements = 0
+    with conn.cursor() as cursor:
+        for chunk in batched(sorted(by_db), max(1, min(CHUNK, limit // 2))):
+            values = ", ".join(["(%s, %s)"] * len(chunk))
+            cursor.execute(
+                f"INSERT INTO {n.table} ({n.key}, {n.value}) "
+                f"SELECT d.column1, d.column2 FROM (VALUES {values}) AS d "
+                f"{n.join('d.column1')}WHERE true ORDER BY d.column1 "
+                f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = {n.value} + excluded.{n.value} "
+                f"RETURNING {n.key}",
+                [p for k in chunk for p in (k, keyed[by_db[k]])],
+            )
+            applied.update(k for (k,) in cursor.fetchall())
+            statements += 1
+    return {by_db[k] for k in applied}, statements
+
+
+def _apply_generic(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tuple[set, int]:
+    """Any other database: lock, create what is missing, then add. Race-free, not fast.
+
+    The existing rows are locked first, in key order (``SELECT … FOR UPDATE``).
+    The missing rows whose parent exists are then created at 0, ignoring
+    conflicts with rows another applier created meanwhile. Only then come
+    the additive UPDATEs, so every one of them finds its row.
+    """
+    qs = spec.model._default_manager.using(using)
+    attname, value = spec.key_attname, spec.value_field
+    keys = sorted(keyed)
+    existing: set = set()
+    statements = 0
+    for chunk in batched(keys, CHUNK):
+        existing.update(
+            qs.select_for_update()
+            .filter(**{f"{attname}__in": chunk})
+            .order_by(attname)
+            .values_list(attname, flat=True)
+        )
+        statements += 1
+    missing = [k for k in keys if k not in existing]
+    created: list = []
+    if missing:
+        created = sorted(_alive(spec, missing, using))
+        if spec.target_model is not None:
+            statements += -(-len(missing) // CHUNK)
+    if created:
+        qs.bulk_create(
+            [spec.model(**{attname: k, value: 0}) for k in created],
+            ignore_conflicts=True,
+            batch_size=CHUNK,
+        )
+        statements += -(-len(created) // CHUNK)
+    applied = existing | set(created)
     by_delta: dict[int, list] = defaultdict(list)
-    for key, delta in keyed.items():
-        by_delta[delta].append(key)
-    conn = connections[qs.db]
-    if conn.vendor == "postgresql":
-        return _add_postgresql(conn, qs.model, attname, value, by_delta)
-    updated = statements = 0
+    for key in sorted(applied):
+        by_delta[keyed[key]].append(key)
     for delta, group in sorted(by_delta.items()):
         for chunk in batched(group, CHUNK):
-            updated += qs.filter(**{f"{attname}__in": chunk}).update(
-                **{value: models.F(value) + delta}
-            )
+            qs.filter(**{f"{attname}__in": chunk}).update(**{value: models.F(value) + delta})
             statements += 1
-    return updated, statements
+    return applied, statements
 
 
-def _add_postgresql(conn, model, attname: str, value: str, by_delta) -> tuple[int, int]:
-    """The same UPDATEs with the keys as one array parameter (``= ANY(%s)``).
-
-    Same statements, same locks; it only spares building and parsing a SQL
-    text with a placeholder per key, which is most of the flusher's CPU. Keys
-    go in sorted order, so concurrent appliers (a flush and a direct write)
-    lock rows in the same order.
-    """
-    meta = model._meta
-    qn = conn.ops.quote_name
-    key_field = meta.get_field(attname) if attname != meta.pk.attname else meta.pk
-    column = qn(meta.get_field(value).column)
-    sql = (
-        f"UPDATE {qn(meta.db_table)} SET {column} = {column} + %s "
-        f"WHERE {qn(key_field.column)} = ANY(%s)"
-    )
-    updated = 0
-    with conn.cursor() as cursor:
-        for delta, group in sorted(by_delta.items()):
-            keys = sorted(key_field.get_db_prep_value(k, conn) for k in group)
-            cursor.execute(sql, [delta, keys])
-            updated += cursor.rowcount
-    return updated, len(by_delta)
+#: The applier of each database vendor; any other gets the generic one.
+APPLIERS: dict[str, Callable[[CounterSpec, Mapping[Any, int], str], tuple[set, int]]] = {
+    "postgresql": _apply_postgresql,
+    "sqlite": _apply_sqlite,
+}
 
 
 def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Applied:
     """Add ``keyed`` ({key: delta}) to ``spec``'s rows. Call inside a transaction.
 
-    The additive UPDATEs go first: when every row exists (the steady state)
-    that is all. Otherwise the missing rows are found, created at 0 (unless
-    the row they count for is gone: those deltas are dropped) and updated.
+    Missing rows are created with their delta, unless the row they count for
+    is gone: those deltas are dropped.
     """
-    model = spec.model
-    qs = model._default_manager.using(using)
-    attname, value = spec.key_attname, spec.value_field
-    updated, statements = _add(qs, attname, value, keyed)
-    dropped: set = set()
-    if updated < len(keyed):
-        keys = list(keyed)
-        existing: set = set()
-        for chunk in batched(keys, CHUNK):
-            existing.update(qs.filter(**{f"{attname}__in": chunk}).values_list(attname, flat=True))
-            statements += 1
-        missing = [k for k in keys if k not in existing]
-        alive = _alive(spec, missing, using)
-        dropped = set(missing) - alive
-        if alive:
-            qs.bulk_create(
-                [model(**{attname: k, value: 0}) for k in alive],
-                ignore_conflicts=True,
-                batch_size=CHUNK,
-            )
-            _, more = _add(qs, attname, value, {k: keyed[k] for k in alive})
-            statements += 1 + more
+    keyed = {k: d for k, d in keyed.items() if d}
+    if not keyed:
+        return Applied(keys=0, deltas=0, dropped=0, statements=0)
+    applier = APPLIERS.get(connections[using].vendor, _apply_generic)
+    applied, statements = applier(spec, keyed, using)
+    dropped = [k for k in keyed if k not in applied]
     if dropped:
         logger.warning(
             "dropped deltas of %s vanished %s keys: %s",
@@ -142,7 +263,7 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
         )
     return Applied(
         keys=len(keyed) - len(dropped),
-        deltas=sum(abs(d) for k, d in keyed.items() if k not in dropped),
+        deltas=sum(abs(d) for k, d in keyed.items() if k in applied),
         dropped=len(dropped),
         statements=statements,
     )

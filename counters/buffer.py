@@ -28,21 +28,31 @@ from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from .exceptions import StalePush, UnexpectedScriptReply
+from .exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
 
 # Add deltas to one shard's pending set once per push id, unless the push is older than
-# ARGV[3] ms (delivered late) or was fenced; members that reach 0 are removed.
+# ARGV[3] ms (delivered late) or was fenced, or a sum would leave the exact range of a score.
 PUSH_SCRIPT = """
+local pending, marker, since = KEYS[1], KEYS[2], KEYS[3]
+local ttl, sent_at, max_age = ARGV[1], ARGV[2], ARGV[3]
+local limit = 9007199254740992
 local now = redis.call('TIME')
-if (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)) - tonumber(ARGV[2])
-    > tonumber(ARGV[3]) then
+if (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)) - tonumber(sent_at)
+    > tonumber(max_age) then
   return 2
 end
-if not redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 0 end
-redis.call('SET', KEYS[3], ARGV[2], 'NX')
+if redis.call('EXISTS', marker) == 1 then return 0 end
+local refused = {3}
 for i = 4, #ARGV, 2 do
-  if tonumber(redis.call('ZINCRBY', KEYS[1], ARGV[i + 1], ARGV[i])) == 0 then
-    redis.call('ZREM', KEYS[1], ARGV[i])
+  local sum = tonumber(redis.call('ZSCORE', pending, ARGV[i]) or '0') + tonumber(ARGV[i + 1])
+  if sum >= limit or sum <= -limit then refused[#refused + 1] = ARGV[i] end
+end
+if #refused > 1 then return refused end
+redis.call('SET', marker, '1', 'PX', ttl)
+redis.call('SET', since, sent_at, 'NX')
+for i = 4, #ARGV, 2 do
+  if tonumber(redis.call('ZINCRBY', pending, ARGV[i + 1], ARGV[i])) == 0 then
+    redis.call('ZREM', pending, ARGV[i])
   end
 end
 return 1
@@ -118,6 +128,8 @@ PUSH_MAX_AGE_MS = 30_000
 #: How long a push id is remembered; longer than PUSH_MAX_AGE_MS plus the time a
 #: flush needs to fence the pushes of fallback writes.
 PUSH_MARKER_TTL_MS = 180_000
+#: Scores are doubles: integers are exact below this magnitude (the script's ``limit``).
+SCORE_LIMIT = 2**53
 
 
 @dataclass(frozen=True)
@@ -227,31 +239,55 @@ class Buffer:
         ``push_id`` makes the call idempotent: repeating it with the same id
         (after a lost reply) adds nothing twice. Returns the shards this call
         changed (a shard that already had this push id is left out).
+
+        A score is a double, exact for integers below 2**53 in magnitude. A
+        delta that large is never sent, and a shard where some member's sum
+        would reach it adds nothing: :class:`ScoreLimitExceeded` then names
+        those members. The caller applies them elsewhere and pushes the rest
+        again with the same id, which completes the refused shards only.
         """
         groups: dict[int, list[str | int]] = defaultdict(list)
+        refused: dict[str, int] = {}
         for member, delta in deltas.items():
-            if delta:
+            if not delta:
+                continue
+            if abs(delta) >= SCORE_LIMIT:
+                refused[member] = int(delta)
+            else:
                 groups[self.shard_of(member)].extend((member, int(delta)))
-        if not groups:
-            return set()
-        now_ms = int(time.time() * 1000)
-        calls = [
-            (
-                [
-                    self.key(shard, "pending"),
-                    self.key(shard, f"push:{push_id}"),
-                    self.key(shard, "since"),
-                ],
-                [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, *args],
-            )
-            for shard, args in groups.items()
-        ]
-        replies = self._run(self._push, calls)
-        if any(reply not in (0, 1, 2) for reply in replies):
-            raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
-        if 2 in replies:
-            raise StalePush(push_id)
-        return {shard for shard, reply in zip(groups, replies, strict=True) if reply == 1}
+        changed: set[int] = set()
+        if groups:
+            now_ms = int(time.time() * 1000)
+            calls = [
+                (
+                    [
+                        self.key(shard, "pending"),
+                        self.key(shard, f"push:{push_id}"),
+                        self.key(shard, "since"),
+                    ],
+                    [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, *args],
+                )
+                for shard, args in groups.items()
+            ]
+            replies = self._run(self._push, calls)
+            codes = []
+            for args, reply in zip(groups.values(), replies, strict=True):
+                if isinstance(reply, list) and reply and reply[0] == 3:
+                    members = [_text(m) for m in reply[1:]]
+                    if not members or not set(members) <= set(args[::2]):
+                        raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
+                    refused.update((m, int(deltas[m])) for m in members)
+                    codes.append(3)
+                elif reply in (0, 1, 2):
+                    codes.append(reply)
+                else:
+                    raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
+            if 2 in codes:
+                raise StalePush(push_id)
+            changed = {shard for shard, code in zip(groups, codes, strict=True) if code == 1}
+        if refused:
+            raise ScoreLimitExceeded(push_id, refused, changed)
+        return changed
 
     def fence(self, members: Iterable[str], push_id: str) -> set[int]:
         """Make push ``push_id`` of ``members`` unable to apply from now on.

@@ -65,6 +65,24 @@ class StalePush(CountersError):
         )
 
 
+class ScoreLimitExceeded(CountersError):
+    """A push refused members whose pending sum would reach 2**53 in magnitude.
+
+    A Redis score is a double, exact for integers below 2**53 only. The
+    ``members`` ({member: delta}) were not added; ``shards`` were changed by
+    the call. Pushing the other members again with the same ``push_id``
+    completes the push.
+    """
+
+    def __init__(self, push_id: str, members: dict[str, int], shards: set[int]) -> None:
+        self.push_id = push_id
+        self.members = members
+        self.shards = shards
+        super().__init__(
+            f"push {push_id}: {len(members)} deltas would leave the exact range of a Redis score"
+        )
+
+
 class UnexpectedScriptReply(CountersError):
     """A Lua script answered something its caller does not know."""
 

@@ -184,3 +184,24 @@ def test_atomic_request_answers_with_its_own_change(client, make_user, settings)
     assert response.status_code == 200
     assert response.json()["unread"] == truth(alice) == 2
     assert_exact(alice)
+
+
+def test_manual_commit_with_redis_down_writes_its_own_transaction(manual, make_user, settings):
+    from counters import conf
+
+    alice = make_user()
+    transaction.commit()
+    redis_url = conf.redis_url()
+    settings.COUNTERS_REDIS_URL = "redis://127.0.0.1:1/0"
+    settings.COUNTERS_SOCKET_TIMEOUT = 0.2
+    Notification.objects.create(recipient=alice, verb="a")
+    Notification.objects.create(recipient=alice, verb="b")
+    transaction.commit()  # the push fails: the deltas go to the row, committed on their own
+    assert stored(alice) == 2
+    Notification.objects.create(recipient=alice, verb="rolled back")
+    transaction.rollback()  # the caller's next transaction is its own
+    assert (truth(alice), stored(alice)) == (2, 2)
+    settings.COUNTERS_REDIS_URL = redis_url
+    transaction.rollback()  # end the reads' transaction
+    transaction.set_autocommit(True)
+    assert_exact(alice)
