@@ -45,6 +45,12 @@ class Command(BaseCommand):
             f"epoch: {epoch['state']} (losses {epoch['losses']}, "
             f"last {_fmt(epoch['last_loss_at'])})",
         ]
+        if epoch["rebuild_needed"]:
+            since = epoch["rebuild_needed_since"] or "now (no flush has seen it yet)"
+            lines.append(
+                f"REBUILD NEEDED since {since}: Redis lost buffered deltas, so some counts are "
+                f"wrong until a full rebuild completes: run `{epoch['rebuild_command']}`"
+            )
         last = status["last_flush"]
         if last is None:
             lines.append("last flush: never")
