@@ -1,18 +1,24 @@
 """Flush buffered counter deltas into the DB once (for cron).
 
-Exit status 0 with one summary line; non-zero with one readable line when
-Redis or the database cannot be reached.
+Exit status 0 with one summary line; 1 with one readable line when Redis or
+the database cannot be reached or a shard failed; 4 (``REBUILD_NEEDED``)
+when Redis lost buffered deltas and no full rebuild has completed since: the
+summary (or JSON) still goes to stdout, and one line naming the fix to stderr.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
 import counters
+from counters.epoch import REBUILD_COMMAND
 from counters.exceptions import BufferUnavailable, FlushFailed
+
+REBUILD_NEEDED = 4
 
 
 class Command(BaseCommand):
@@ -45,3 +51,9 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps(result.as_dict()))
         else:
             self.stdout.write(result.summary())
+        if result.rebuild_needed_since:
+            self.stderr.write(
+                f"counts are wrong since {result.rebuild_needed_since} (Redis lost buffered "
+                f"deltas) until a full rebuild completes: run `{REBUILD_COMMAND}`"
+            )
+            sys.exit(REBUILD_NEEDED)
