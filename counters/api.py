@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -18,7 +19,7 @@ from redis import Redis, RedisError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import conf, outbox
+from . import conf, outbox, repair
 from .buffer import Buffer
 from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning, StalePush
 from .lease import Lease
@@ -215,6 +216,17 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
 # -- read path ----------------------------------------------------------------
 
 
+def _non_negative(get_values):
+    """Post-process ``get_values``: a ``non_negative`` counter reads 0, never below."""
+
+    @functools.wraps(get_values)
+    def clamped(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict:
+        return repair.clamp(get_spec(name), get_values(name, keys, using=using), get_buffer)
+
+    return clamped
+
+
+@_non_negative
 def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict[Any, int]:
     """Exact current values: stored row + pending + in-flight unless already applied.
 
@@ -312,8 +324,9 @@ def _read_rows(spec, keys: list, batch_ids: set[str], using: str) -> tuple[dict,
 def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
     """Flush every shard once with the configured settings; returns a FlushResult.
 
-    Then, while a Redis data loss is not repaired yet ("rebuild needed") and
-    ``COUNTERS_AUTO_REBUILD`` is on, runs the full rebuild. ``result.rebuild_needed_since`` tells if
+    Then rebuilds the keys queued by reads below zero, and, while Redis data
+    loss is not repaired yet ("rebuild needed") and ``COUNTERS_AUTO_REBUILD``
+    is on, runs the full rebuild. ``result.rebuild_needed_since`` tells if
     counters are still wrong. Records the result for ``counters_status``.
     Raises :class:`BufferUnavailable` when Redis cannot be reached and
     :class:`FlushFailed` (carrying the result) when some shards failed.
@@ -334,6 +347,7 @@ def flush(*, using: str = DEFAULT_DB_ALIAS, time_budget: float | None = None):
             retention=conf.ledger_retention(),
         )
         result.compensated = compensated
+        result.repaired = repair_queued(buffer, using)
         result.rebuild_needed_since = _needed_since(buffer, using)
         if result.rebuild_needed_since and conf.auto_rebuild():
             record_flush(buffer, result)  # a rebuild can take long: show the flush first
@@ -374,7 +388,7 @@ def record_flush(buffer: Buffer, result) -> None:
 
 
 def rebuild_lease(buffer: Buffer) -> Lease:
-    """The lease that keeps full rebuilds of one prefix from overlapping.
+    """The lease that keeps full rebuilds and repairs of one prefix from overlapping.
 
     Two rebuilds confirming the same drift at once would both repair it. The
     lease outlives one page of a rebuild (its confirmation rounds included)
@@ -386,6 +400,16 @@ def rebuild_lease(buffer: Buffer) -> Lease:
     return Lease(buffer.client, f"{buffer.prefix}:rebuild", conf.lease_timeout() + page)
 
 
+def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Rebuild the keys that reads found below zero (see ``counters.repair``)."""
+    if not buffer.client.exists(repair.queue_key(buffer)):
+        return 0
+    with rebuild_lease(buffer) as lease:
+        if not lease.held:
+            return 0  # a rebuild is running; the keys wait for the next flush
+        return repair.repair_queued(buffer, using, limit=conf.batch_size())
+
+
 def rebuild_all(
     using: str = DEFAULT_DB_ALIAS,
     *,
@@ -395,8 +419,10 @@ def rebuild_all(
     """Rebuild every registered counter that has a truth source: the full rebuild.
 
     When it completes, the Redis data losses detected before it started are
-    repaired, and their "rebuild needed" mark is cleared. Raises
-    :class:`RebuildRunning` if another full rebuild of this prefix is running.
+    repaired, and their "rebuild needed" mark is cleared. Keys that kept
+    changing are queued for the next flush to repair. Raises
+    :class:`RebuildRunning` if another full rebuild or repair of this prefix
+    is running.
     """
     from .epoch import clear_rebuild_needed
     from .rebuild import rebuild
@@ -420,6 +446,7 @@ def rebuild_all(
                 report = rebuild(spec.name, batch_size=batch_size, progress=page_done, using=using)
                 logger.info("full rebuild: %s", report.summary())
                 reports.append(report)
+                repair.queue(buffer, spec.name, report.unstable)
         if clear_rebuild_needed(buffer.prefix, started, using):
             logger.warning(
                 "full rebuild complete: the Redis data loss of prefix %r is repaired", buffer.prefix

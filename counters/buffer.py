@@ -20,7 +20,8 @@ each script touches one Redis Cluster slot)::
 Per prefix (no hash tag, single-key commands only)::
 
     <prefix>:last_flush          HASH  result of the last flush (status.py)
-    <prefix>:rebuild             STR   lease of the full rebuild (api.rebuild_all)
+    <prefix>:repair              SET   members read below zero; the next flush rebuilds them
+    <prefix>:rebuild             STR   lease of the full rebuild and of repairs (api.rebuild_all)
 """
 
 from __future__ import annotations

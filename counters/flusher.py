@@ -41,6 +41,7 @@ class FlushResult:
     lost_shards: list[int] = field(default_factory=list)
     failed_shards: dict[int, str] = field(default_factory=dict)
     compensated: int = 0
+    repaired: int = 0
     incomplete: bool = False
     rebuild_needed_since: str | None = None
     seconds: float = 0.0
@@ -63,6 +64,8 @@ class FlushResult:
             extras.append(f"{self.compensated} late pushes taken back")
         if self.failed_shards:
             extras.append(f"{len(self.failed_shards)} shards failed")
+        if self.repaired:
+            extras.append(f"{self.repaired} queued keys repaired")
         if self.lost_shards:
             extras.append(f"REDIS LOST DATA in {len(self.lost_shards)} shards")
         if self.rebuild_needed_since:

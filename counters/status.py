@@ -11,6 +11,7 @@ from django.db.models import Count, Max, Sum
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
 from .models import BufferEpoch, FlushBatch
+from .repair import queue_key
 
 
 def _text(value: Any) -> str | None:
@@ -137,4 +138,5 @@ def gather(buffer: Buffer, using: str = "default") -> dict[str, Any]:
         "last_flush": last_flush(buffer),
         "ledger": ledger_status(using),
         "epoch": epoch_status(buffer, shards, using),
+        "repair_queue": int(buffer.client.scard(queue_key(buffer))),
     }
