@@ -429,26 +429,31 @@ def rebuild_all(
     from .registry import all_specs
 
     buffer = get_buffer()
-    with rebuild_lease(buffer) as lease:
-        if not lease.held:
-            raise RebuildRunning(lease.key)
+    try:
+        with rebuild_lease(buffer) as lease:
+            if not lease.held:
+                raise RebuildRunning(lease.key)
 
-        def page_done(done: int, total: int) -> None:
-            if not lease.extend():
-                logger.warning("the rebuild lease %s expired during a rebuild", lease.key)
-            if progress is not None:
-                progress(done, total)
+            def page_done(done: int, total: int) -> None:
+                if not lease.extend():
+                    logger.warning("the rebuild lease %s expired during a rebuild", lease.key)
+                if progress is not None:
+                    progress(done, total)
 
-        started = timezone.now()
-        reports = []
-        for spec in all_specs():
-            if spec.source is not None:
-                report = rebuild(spec.name, batch_size=batch_size, progress=page_done, using=using)
-                logger.info("full rebuild: %s", report.summary())
-                reports.append(report)
-                repair.queue(buffer, spec.name, report.unstable)
-        if clear_rebuild_needed(buffer.prefix, started, using):
-            logger.warning(
-                "full rebuild complete: the Redis data loss of prefix %r is repaired", buffer.prefix
-            )
+            started = timezone.now()
+            reports = []
+            for spec in all_specs():
+                if spec.source is not None:
+                    report = rebuild(
+                        spec.name, batch_size=batch_size, progress=page_done, using=using
+                    )
+                    logger.info("full rebuild: %s", report.summary())
+                    reports.append(report)
+                    repair.queue(buffer, spec.name, report.unstable)
+    except RedisError as exc:
+        raise BufferUnavailable(conf.redis_url(), exc) from exc
+    if clear_rebuild_needed(buffer.prefix, started, using):
+        logger.warning(
+            "full rebuild complete: the Redis data loss of prefix %r is repaired", buffer.prefix
+        )
     return reports
