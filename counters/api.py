@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from django.core.signals import setting_changed
@@ -27,9 +27,16 @@ from redis import Redis, RedisError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import conf, transactions
+from . import conf, repair, transactions
 from .buffer import Buffer
-from .exceptions import BufferUnavailable, FlushFailed, ScoreLimitExceeded, StalePush
+from .exceptions import (
+    BufferUnavailable,
+    FlushFailed,
+    RebuildRunning,
+    ScoreLimitExceeded,
+    StalePush,
+)
+from .lease import Lease
 from .registry import get_spec
 
 logger = logging.getLogger(__name__)
@@ -314,8 +321,10 @@ def flush(*, using: str | None = None, time_budget: float | None = None):
 
     Without ``using``, every database of :func:`databases` is flushed (see
     :func:`flush_databases`) and the result is their sum.
-    Records the result for ``counters_status``. If a shard lost its data and
-    ``COUNTERS_AUTO_REBUILD`` is on, rebuilds every counter that has a source.
+    Then rebuilds the keys queued by reads below zero, and, while Redis data
+    loss is not repaired yet ("rebuild needed") and ``COUNTERS_AUTO_REBUILD``
+    is on, runs the full rebuild. ``result.rebuild_needed_since`` tells if
+    counters are still wrong. Records the result for ``counters_status``.
     Raises :class:`BufferUnavailable` when Redis cannot be reached and
     :class:`FlushFailed` (carrying the result) when some shards failed.
     """
@@ -337,11 +346,15 @@ def flush(*, using: str | None = None, time_budget: float | None = None):
             retention=conf.ledger_retention(),
         )
         result.compensated = compensated
+        result.repaired = repair_queued(buffer, using)
+        result.rebuild_needed_since = _needed_since(buffer, using)
+        if result.rebuild_needed_since and conf.auto_rebuild():
+            record_flush(buffer, result)  # a rebuild can take long: show the flush first
+            if _auto_rebuild(using):
+                result.rebuild_needed_since = _needed_since(buffer, using)
         record_flush(buffer, result)
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc
-    if result.lost_shards and conf.auto_rebuild():
-        rebuild_all(using=using)
     if result.failed_shards:
         raise FlushFailed(result, result.failed_shards)
     return result
@@ -386,12 +399,31 @@ def _added_up(results: list):
                 theirs = sorted(set(mine) | set(theirs))
             elif isinstance(mine, dict):
                 theirs = {**theirs, **mine}
-            elif isinstance(mine, bool):
+            elif isinstance(mine, bool) or mine is None or isinstance(mine, str):
                 theirs = mine or theirs
             else:
                 theirs = mine + theirs
             setattr(total, item.name, theirs)
     return total
+
+
+def _needed_since(buffer: Buffer, using: str) -> str | None:
+    from .epoch import rebuild_needed_since
+
+    since = rebuild_needed_since(buffer.prefix, using)
+    return since.isoformat() if since else None
+
+
+def _auto_rebuild(using: str) -> bool:
+    """Run the full rebuild after a data loss; False if another one is running."""
+    try:
+        reports = rebuild_all(using=using)
+    except RebuildRunning:
+        logger.info("automatic rebuild skipped: another rebuild is running")
+        return False
+    for report in reports:
+        logger.warning("automatic rebuild after Redis data loss: %s", report.summary())
+    return True
 
 
 def record_flush(buffer: Buffer, result) -> None:
@@ -401,15 +433,73 @@ def record_flush(buffer: Buffer, result) -> None:
     buffer.client.hset(f"{buffer.prefix}:last_flush", mapping=data)
 
 
-def rebuild_all(using: str = DEFAULT_DB_ALIAS) -> list:
-    """Rebuild every registered counter that has a truth source (after data loss)."""
+def rebuild_lease(buffer: Buffer) -> Lease:
+    """The lease that keeps full rebuilds and repairs of one prefix from overlapping.
+
+    Two rebuilds confirming the same drift at once would both repair it. The
+    lease outlives one page of a rebuild (its confirmation rounds included)
+    and is extended after each page.
+    """
+    from .rebuild import CONFIRM_ROUNDS
+
+    page = CONFIRM_ROUNDS * (2 * conf.socket_timeout() + 0.2)
+    return Lease(buffer.client, f"{buffer.prefix}:rebuild", conf.lease_timeout() + page)
+
+
+def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Rebuild the keys that reads found below zero (see ``counters.repair``)."""
+    if not buffer.client.exists(repair.queue_key(buffer)):
+        return 0
+    with rebuild_lease(buffer) as lease:
+        if not lease.held:
+            return 0  # a rebuild is running; the keys wait for the next flush
+        return repair.repair_queued(buffer, using, limit=conf.batch_size())
+
+
+def rebuild_all(
+    using: str = DEFAULT_DB_ALIAS,
+    *,
+    batch_size: int = 1000,
+    progress: Callable[[int, int], None] | None = None,
+) -> list:
+    """Rebuild every registered counter that has a truth source: the full rebuild.
+
+    When it completes, the Redis data losses detected before it started are
+    repaired, and their "rebuild needed" mark is cleared. Keys that kept
+    changing are queued for the next flush to repair. Raises
+    :class:`RebuildRunning` if another full rebuild or repair of this prefix
+    is running.
+    """
+    from .epoch import clear_rebuild_needed
     from .rebuild import rebuild
     from .registry import all_specs
 
-    reports = []
-    for spec in all_specs():
-        if spec.source is not None:
-            report = rebuild(spec.name, using=using)
-            logger.warning("automatic rebuild after Redis data loss: %s", report.summary())
-            reports.append(report)
+    buffer = get_buffer(using)
+    try:
+        with rebuild_lease(buffer) as lease:
+            if not lease.held:
+                raise RebuildRunning(lease.key)
+
+            def page_done(done: int, total: int) -> None:
+                if not lease.extend():
+                    logger.warning("the rebuild lease %s expired during a rebuild", lease.key)
+                if progress is not None:
+                    progress(done, total)
+
+            started = timezone.now()
+            reports = []
+            for spec in all_specs():
+                if spec.source is not None:
+                    report = rebuild(
+                        spec.name, batch_size=batch_size, progress=page_done, using=using
+                    )
+                    logger.info("full rebuild: %s", report.summary())
+                    reports.append(report)
+                    repair.queue(buffer, spec.name, report.unstable)
+    except RedisError as exc:
+        raise BufferUnavailable(conf.redis_url(), exc) from exc
+    if clear_rebuild_needed(buffer.prefix, started, using):
+        logger.warning(
+            "full rebuild complete: the Redis data loss of prefix %r is repaired", buffer.prefix
+        )
     return reports

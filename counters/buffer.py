@@ -8,12 +8,20 @@ each script touches one Redis Cluster slot)::
 
     <prefix>:{sN}:pending        ZSET  member "<counter>:<key>" -> summed delta
     <prefix>:{sN}:inflight       ZSET  the batch being applied, same shape
-    <prefix>:{sN}:batch          HASH  id -> batch id, ts -> move time (ms)
+    <prefix>:{sN}:batch          HASH  id -> batch id, ts -> move time (ms), seq -> its sequence
     <prefix>:{sN}:gen            STR   bumped by every move and ack (read consistency)
     <prefix>:{sN}:since          STR   ms time the pending set last became non-empty (lag)
+    <prefix>:{sN}:seq            STR   sequence of the last batch moved; the DB keeps the
+                                       highest applied: Redis behind it went back in time
     <prefix>:{sN}:epoch          STR   token that vanishes if Redis loses its data (epoch.py)
     <prefix>:{sN}:lease          STR   flusher lease token (see lease.py)
     <prefix>:{sN}:push:<id>      STR   short-lived marker that makes a push idempotent
+
+Per prefix (no hash tag, single-key commands only)::
+
+    <prefix>:last_flush          HASH  result of the last flush (status.py)
+    <prefix>:repair              SET   members read below zero; the next flush rebuilds them
+    <prefix>:rebuild             STR   lease of the full rebuild and of repairs (api.rebuild_all)
 """
 
 from __future__ import annotations
@@ -69,15 +77,20 @@ if value == 'fenced' then return 0 end
 return 1
 """
 
-# Return the batch in flight, or move up to ARGV[2] pending members into a new batch ARGV[1].
+# Return the batch in flight, or move up to ARGV[2] pending members into a new batch ARGV[1]
+# tagged with the shard's next sequence number (epoch.py compares it with the DB's).
 MOVE_SCRIPT = """
-local current = redis.call('HGET', KEYS[3], 'id')
+local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local since, seq = KEYS[5], KEYS[6]
+local batch_id, limit, now_ms = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local current = redis.call('HGET', batch, 'id')
 if current then
-  return {'inflight', current, redis.call('HGET', KEYS[3], 'ts'),
-          redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')}
+  local info = redis.call('HMGET', batch, 'ts', 'seq')
+  return {'inflight', current, info[1], redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES'),
+          info[2] or '0'}
 end
-local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[2]))
-if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('DEL', KEYS[5]) end
+local popped = redis.call('ZPOPMIN', pending, limit)
+if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
 if #popped == 0 then return {'empty'} end
 local items, chunk = {}, {}
 for i = 1, #popped, 2 do
@@ -86,15 +99,17 @@ for i = 1, #popped, 2 do
     items[#items + 1] = popped[i + 1]
     chunk[#chunk + 1] = popped[i + 1]
     chunk[#chunk + 1] = popped[i]
-    if #chunk >= 1000 then redis.call('ZADD', KEYS[2], unpack(chunk)); chunk = {} end
+    if #chunk >= 1000 then redis.call('ZADD', inflight, unpack(chunk)); chunk = {} end
   end
 end
-if #chunk > 0 then redis.call('ZADD', KEYS[2], unpack(chunk)) end
+if #chunk > 0 then redis.call('ZADD', inflight, unpack(chunk)) end
+local number = 0
 if #items > 0 then
-  redis.call('HSET', KEYS[3], 'id', ARGV[1], 'ts', ARGV[3])
-  redis.call('INCR', KEYS[4])
+  number = redis.call('INCR', seq)
+  redis.call('HSET', batch, 'id', batch_id, 'ts', now_ms, 'seq', number)
+  redis.call('INCR', gen)
 end
-return {'moved', ARGV[1], ARGV[3], items}
+return {'moved', batch_id, now_ms, items, number}
 """
 
 # Forget in-flight batch ARGV[1] only if it is still the batch in flight.
@@ -137,7 +152,9 @@ class Batch:
     """Deltas moved to a shard's in-flight set under one id.
 
     ``recovered`` is True when the batch was already in flight (a previous
-    flusher moved it and did not acknowledge it).
+    flusher moved it and did not acknowledge it). ``seq`` is the shard's
+    sequence number of the batch (0 for an empty move), ``prefix`` the key
+    prefix of the buffer it came from.
     """
 
     shard: int
@@ -145,6 +162,8 @@ class Batch:
     moved_at_ms: int
     items: dict[str, int]
     recovered: bool
+    seq: int = 0
+    prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -313,7 +332,8 @@ class Buffer:
         None means the shard had nothing pending.
         """
         now_ms = int(time.time() * 1000)
-        reply = self._move(keys=self._shard_keys(shard), args=[batch_id, limit, now_ms])
+        keys = [*self._shard_keys(shard), self.key(shard, "seq")]
+        reply = self._move(keys=keys, args=[batch_id, limit, now_ms])
         status = _text(reply[0])
         if status == "empty":
             return None
@@ -327,6 +347,8 @@ class Buffer:
             moved_at_ms=_int(reply[2]),
             items=items,
             recovered=status == "inflight",
+            seq=_int(reply[4]),
+            prefix=self.prefix,
         )
 
     def ack(self, shard: int, batch_id: str) -> bool:

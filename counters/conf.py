@@ -82,8 +82,9 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "COUNTERS_AUTO_REBUILD",
             bool,
-            False,
-            "Rebuild every counter when a flush finds that Redis lost its data.",
+            True,
+            "Run the full rebuild from the flush while a Redis data loss is not repaired. "
+            "A rebuild is safe under live writes and is what makes the counts exact again.",
         ),
         Setting(
             "COUNTERS_DATABASES",

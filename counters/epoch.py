@@ -1,53 +1,173 @@
-"""Detect Redis data loss: an epoch token per shard, remembered in the DB."""
+"""Detect Redis data loss and time travel: an epoch token and a batch sequence per shard.
+
+Each shard holds a random token (``<prefix>:{sN}:epoch``) and a sequence
+(``<prefix>:{sN}:seq``) that the move script bumps for every batch it moves.
+The DB remembers the token and the highest sequence applied (``BufferEpoch``),
+the latter in the same transaction as each batch. At the start of each
+shard's flush, under its lease:
+
+- the token is gone or different: Redis lost its data (restart without
+  persistence, FLUSHALL, failover to an empty replica);
+- the token matches but Redis's sequence is lower than the DB's: Redis came
+  back from an older state (an RDB snapshot or AOF older than the last flush,
+  failover to a lagging replica). Deltas applied since that state are back
+  as pending and will count again; deltas pushed after it are gone.
+
+Either is a loss: it is logged, counted, and the prefix is marked "rebuild
+needed" until a full rebuild that started after the loss completes. Then the
+Redis sequence is raised to the DB's, so the next flush is not flagged again.
+
+What cannot be detected: deltas pushed after the last snapshot when no batch
+was applied in between leave no trace in the DB (the sequences still agree);
+without durable mode they are lost silently. The audit and a rebuild repair
+the counts they leave wrong.
+"""
 
 from __future__ import annotations
 
 import logging
 import secrets
+from dataclasses import dataclass
+from datetime import datetime
 
-from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Min
+from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
 
-from .buffer import Buffer
+from .buffer import Batch, Buffer
+from .exceptions import UnexpectedScriptReply
 from .models import BufferEpoch
 
 logger = logging.getLogger(__name__)
 
+#: The command that repairs counters after a loss (named in logs and messages).
+REBUILD_COMMAND = "manage.py notification_rebuild_counters"
+
 LOST_MESSAGE = (
-    "Redis lost the buffer of shard %s under prefix %r (its epoch marker is gone: "
+    "Redis lost the buffer of shard %s under prefix %r (its epoch marker is gone or replaced: "
     "Redis restarted without persistence, was flushed, or failed over to an empty "
     "replica). Deltas buffered there before now are lost, so some counters are wrong "
-    "until `manage.py notification_rebuild_counters` runs (COUNTERS_AUTO_REBUILD=1 "
-    "does it automatically). Enable appendonly in Redis to avoid this."
+    f"until a full rebuild completes: `{REBUILD_COMMAND}` (the flush runs it itself "
+    "unless COUNTERS_AUTO_REBUILD is off). Enable appendonly in Redis to avoid this."
 )
 
+BEHIND_MESSAGE = (
+    "Redis went back in time in shard %s under prefix %r: its batch sequence is %s but "
+    "the DB has applied up to %s (Redis restarted from an old snapshot, or failed over to "
+    "a lagging replica). Deltas applied since then are pending again and deltas pushed "
+    "since then are gone, so some counters are wrong until a full rebuild completes: "
+    f"`{REBUILD_COMMAND}` (the flush runs it itself unless COUNTERS_AUTO_REBUILD is off)."
+)
 
-def check_epoch(buffer: Buffer, shard: int, using: str = "default") -> bool:
-    """True if shard ``shard`` lost its data since the last check. Call under its lease."""
-    key = buffer.key(shard, "epoch")
-    token = buffer.client.get(key)
-    token = token.decode() if isinstance(token, bytes) else token
+# Raise sequence KEYS[1] to at least ARGV[1]; returns 1 if it was lower, else 0.
+SEQ_FLOOR_SCRIPT = """
+local seq = KEYS[1]
+local floor = tonumber(ARGV[1])
+if tonumber(redis.call('GET', seq) or '0') < floor then
+  redis.call('SET', seq, floor)
+  return 1
+end
+return 0
+"""
+
+
+@dataclass(frozen=True)
+class EpochCheck:
+    """Result of :func:`check_epoch`: was a loss found, and the DB's applied sequence."""
+
+    lost: bool
+    seq: int
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def check_epoch(buffer: Buffer, shard: int, using: str = "default") -> EpochCheck:
+    """Check shard ``shard`` for data loss or time travel since the last check.
+
+    Call under the shard's lease. A loss is recorded and the sequences are
+    re-aligned before this returns.
+    """
+    token, redis_seq = buffer.client.mget(buffer.key(shard, "epoch"), buffer.key(shard, "seq"))
+    token, redis_seq = _text(token), int(redis_seq or 0)
     epochs = BufferEpoch.objects.using(using)
     row = epochs.filter(prefix=buffer.prefix, shard=shard).first()
-    if row is not None and token == row.token:
-        return False
-    if token is None:
-        new = secrets.token_hex(16)
-        if not buffer.client.set(key, new, nx=True):
-            new = buffer.client.get(key).decode()
-        token = new
-    lost = row is not None
-    with transaction.atomic(using=using):
-        if row is None:
-            epochs.get_or_create(prefix=buffer.prefix, shard=shard, defaults={"token": token})
-        else:
-            epochs.filter(pk=row.pk).update(
-                token=token,
-                started_at=timezone.now(),
-                losses=F("losses") + 1,
-                last_loss_at=timezone.now(),
-            )
-    if lost:
+    if row is not None and token == row.token and redis_seq >= row.seq:
+        return EpochCheck(lost=False, seq=row.seq)
+    if row is None:
+        token = _ensure_token(buffer, shard)
+        row, _ = epochs.get_or_create(prefix=buffer.prefix, shard=shard, defaults={"token": token})
+        return EpochCheck(lost=False, seq=row.seq)
+    record_loss(buffer, shard, using, redis_seq)
+    return EpochCheck(lost=True, seq=row.seq)
+
+
+def _ensure_token(buffer: Buffer, shard: int) -> str:
+    """The shard's epoch token, set to a new random one if Redis has none."""
+    key = buffer.key(shard, "epoch")
+    buffer.client.set(key, secrets.token_hex(16), nx=True)
+    return _text(buffer.client.get(key)) or ""
+
+
+def record_loss(buffer: Buffer, shard: int, using: str, redis_seq: int) -> None:
+    """Log and count a loss of ``shard``, mark the prefix "rebuild needed", re-align.
+
+    ``redis_seq`` is the sequence Redis showed (for the log). Call under the
+    shard's lease.
+    """
+    epochs = BufferEpoch.objects.using(using).filter(prefix=buffer.prefix, shard=shard)
+    row = epochs.get()
+    token = _ensure_token(buffer, shard)
+    if token != row.token:
         logger.error(LOST_MESSAGE, shard, buffer.prefix)
-    return lost
+    else:
+        logger.error(BEHIND_MESSAGE, shard, buffer.prefix, redis_seq, row.seq)
+    now = timezone.now()
+    epochs.update(
+        token=token,
+        started_at=row.started_at if token == row.token else now,
+        losses=F("losses") + 1,
+        last_loss_at=now,
+        rebuild_needed_since=Coalesce(F("rebuild_needed_since"), now),
+    )
+    raise_seq(buffer, shard, row.seq)
+
+
+def raise_seq(buffer: Buffer, shard: int, floor: int) -> bool:
+    """Raise the Redis sequence of ``shard`` to ``floor`` if it is lower."""
+    script = buffer.client.register_script(SEQ_FLOOR_SCRIPT)
+    reply = script(keys=[buffer.key(shard, "seq")], args=[floor])
+    if reply not in (0, 1):
+        raise UnexpectedScriptReply("SEQ_FLOOR_SCRIPT", reply)
+    return reply == 1
+
+
+def record_applied(batch: Batch, using: str) -> None:
+    """Remember that ``batch`` was applied. Call inside the batch's DB transaction.
+
+    One row per shard, and one flusher per shard holds the lease: no contention.
+    """
+    if batch.seq and batch.prefix:
+        BufferEpoch.objects.using(using).filter(prefix=batch.prefix, shard=batch.shard).update(
+            seq=Greatest(F("seq"), batch.seq)
+        )
+
+
+def rebuild_needed_since(prefix: str, using: str = "default") -> datetime | None:
+    """When the first loss not yet repaired by a full rebuild was detected, or None."""
+    rows = BufferEpoch.objects.using(using).filter(prefix=prefix)
+    return rows.aggregate(since=Min("rebuild_needed_since"))["since"]
+
+
+def clear_rebuild_needed(prefix: str, started: datetime, using: str = "default") -> int:
+    """A full rebuild that started at ``started`` completed: clear the losses it covers.
+
+    A loss detected after ``started`` may have happened after the rebuild
+    read the keys it concerns, so it stays marked. Returns the rows cleared.
+    """
+    return (
+        BufferEpoch.objects.using(using)
+        .filter(prefix=prefix, rebuild_needed_since__isnull=False, last_loss_at__lte=started)
+        .update(rebuild_needed_since=None)
+    )

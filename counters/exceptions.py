@@ -104,3 +104,11 @@ class FlushFailed(CountersError):
         self.errors = errors
         shard, message = next(iter(sorted(errors.items())))
         super().__init__(f"flush failed in {len(errors)} shard(s); shard {shard}: {message}")
+
+
+class RebuildRunning(CountersError):
+    """A full rebuild or a repair of the same key prefix holds ``lease_key``."""
+
+    def __init__(self, lease_key: str) -> None:
+        self.lease_key = lease_key
+        super().__init__(f"another rebuild is running (it holds {lease_key}); try again later")

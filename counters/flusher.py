@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from .apply import apply_deltas
 from .buffer import Batch, Buffer
-from .epoch import check_epoch
+from .epoch import check_epoch, record_applied, record_loss
 from .lease import Lease
 from .models import FlushBatch
 
@@ -41,7 +41,9 @@ class FlushResult:
     lost_shards: list[int] = field(default_factory=list)
     failed_shards: dict[int, str] = field(default_factory=dict)
     compensated: int = 0
+    repaired: int = 0
     incomplete: bool = False
+    rebuild_needed_since: str | None = None
     seconds: float = 0.0
 
     def summary(self) -> str:
@@ -62,8 +64,12 @@ class FlushResult:
             extras.append(f"{self.compensated} late pushes taken back")
         if self.failed_shards:
             extras.append(f"{len(self.failed_shards)} shards failed")
+        if self.repaired:
+            extras.append(f"{self.repaired} queued keys repaired")
         if self.lost_shards:
             extras.append(f"REDIS LOST DATA in {len(self.lost_shards)} shards")
+        if self.rebuild_needed_since:
+            extras.append(f"REBUILD NEEDED since {self.rebuild_needed_since}")
         if self.incomplete:
             extras.append("time budget reached")
         return text + (f" ({', '.join(extras)})" if extras else "")
@@ -93,6 +99,7 @@ def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
                 deltas=sum(abs(d) for d in batch.items.values()),
             )
             applied = apply_deltas(batch.items, using)
+            record_applied(batch, using)
             if applied.dropped:
                 ledger.filter(pk=batch.batch_id).update(
                     dropped=applied.dropped, keys=applied.keys, deltas=applied.deltas
@@ -123,8 +130,10 @@ def flush_shard(
         if not lease.held:
             result.busy_shards.append(shard)
             return
-        if check_epoch(buffer, shard, using):
+        epoch = check_epoch(buffer, shard, using)
+        if epoch.lost:
             result.lost_shards.append(shard)
+        applied_seq = epoch.seq  # only this lease holder raises it
         target = buffer.pending_count(shard)
         moved = 0
         while True:
@@ -140,8 +149,13 @@ def flush_shard(
             if batch.recovered:
                 result.recovered += 1
                 logger.info("recovering in-flight batch %s of shard %s", batch.batch_id, shard)
+            elif batch.seq and batch.seq <= applied_seq and shard not in result.lost_shards:
+                # Redis went back in time since this flush checked it (a failover mid-flush).
+                record_loss(buffer, shard, using, batch.seq)
+                result.lost_shards.append(shard)
             if batch.items:
                 apply_batch(batch, using, result)
+                applied_seq = max(applied_seq, batch.seq)
             buffer.ack(shard, batch.batch_id)
             if not batch.recovered:
                 moved += len(batch.items)

@@ -34,6 +34,14 @@ class FlushBatch(models.Model):
 
     class Meta:
         ordering = ["-applied_at"]
+        indexes = [
+            # Every read looks for unsettled direct writes: usually none, found at once.
+            models.Index(
+                fields=["applied_at"],
+                name="counters_unsettled",
+                condition=models.Q(unsettled__isnull=False),
+            )
+        ]
         verbose_name = "flush batch"
         verbose_name_plural = "flush batches"
 
@@ -42,11 +50,16 @@ class FlushBatch(models.Model):
 
 
 class BufferEpoch(models.Model):
-    """The epoch marker each Redis shard should hold.
+    """What the DB knows of one Redis shard: its epoch marker and its batch sequence.
 
     Redis holds a random token per shard; this row remembers it. When the
     token in Redis is gone (Redis restarted empty) or differs, the deltas it
-    buffered were lost: the flush reports it and counts it here.
+    buffered were lost. Redis also numbers the batches it moves; ``seq`` is
+    the highest number applied, written in the same transaction as the batch.
+    A Redis whose sequence is behind it came back from an older state (an old
+    snapshot, a lagging replica). Either way the flush reports a loss, counts
+    it here and marks the counters of the prefix as needing a rebuild until a
+    full rebuild completes.
     """
 
     prefix = models.CharField(max_length=100)
@@ -55,6 +68,17 @@ class BufferEpoch(models.Model):
     started_at = models.DateTimeField(default=timezone.now)
     losses = models.PositiveIntegerField(default=0)
     last_loss_at = models.DateTimeField(null=True, blank=True)
+    seq = models.BigIntegerField(
+        default=0, help_text="Highest batch sequence of this shard applied to the DB."
+    )
+    rebuild_needed_since = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text=(
+            "First loss not yet repaired: counters stay wrong until a full rebuild that "
+            "started after the last loss completes."
+        ),
+    )
 
     class Meta:
         constraints = [

@@ -25,7 +25,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from redis import RedisError
 
-from . import conf, transactions
+from . import conf, repair, transactions
 from .buffer import Buffer, Snapshot
 from .exceptions import BufferUnavailable, InconsistentRead
 from .lease import Lease
@@ -51,8 +51,16 @@ def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS)
 
     If Redis is unreachable the stored rows are returned: changes made while
     Redis is down are written to the rows directly, so they are the best answer
-    there is, and a page must not fail because of the buffer.
+    there is, and a page must not fail because of the buffer. A counter
+    registered ``non_negative`` never reads below 0 (see :mod:`counters.repair`).
     """
+    from .api import get_buffer
+
+    values = _exact_values(name, keys, using)
+    return repair.clamp(get_spec(name), values, lambda: get_buffer(using))
+
+
+def _exact_values(name: str, keys: Iterable[Any], using: str) -> dict[Any, int]:
     keys = list(dict.fromkeys(keys))
     try:
         parts = get_parts(name, keys, using=using)

@@ -44,7 +44,8 @@ class CounterSpec:
 
     ``key_field`` must be unique (usually the primary key). When it is a foreign
     key, deltas for keys whose target row is gone are dropped instead of
-    creating a counter row for it.
+    creating a counter row for it. A ``non_negative`` counter is never read
+    below zero (see ``counters.repair``).
     """
 
     name: str
@@ -52,6 +53,7 @@ class CounterSpec:
     key_field: str = "pk"
     value_field: str = "count"
     source: TruthSource | None = field(default=None, compare=False)
+    non_negative: bool = False
 
     @cached_property
     def model(self) -> type[models.Model]:
@@ -142,11 +144,14 @@ def register(
     key_field: str = "pk",
     value_field: str = "count",
     source: TruthSource | None = None,
+    non_negative: bool = False,
 ) -> CounterSpec:
     """Register a counter. ``model`` is a label ("app.Model") or a model class.
 
     ``source`` tells rebuilds how to recompute the true values; a counter
-    without one can be flushed but not rebuilt.
+    without one can be flushed but not rebuilt. ``non_negative=True`` (a
+    count of things) makes reads show 0 instead of a negative value, which
+    only drift can cause; such a key is logged and queued for repair.
 
     Registering the same name twice with the same arguments is harmless; with
     different arguments it is an error.
@@ -154,7 +159,7 @@ def register(
     if ":" in name:
         raise ValueError(f"counter name {name!r} must not contain ':'")
     label = model if isinstance(model, str) else model._meta.label
-    spec = CounterSpec(name, label, key_field, value_field, source)
+    spec = CounterSpec(name, label, key_field, value_field, source, non_negative)
     existing = _registry.get(name)
     if existing is not None and existing != spec:
         raise ValueError(f"counter {name!r} is already registered as {existing}")

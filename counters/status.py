@@ -9,7 +9,9 @@ from typing import Any
 from django.db.models import Count, Max, Sum
 
 from .buffer import Buffer
+from .epoch import REBUILD_COMMAND
 from .models import BufferEpoch, FlushBatch
+from .repair import queue_key
 
 
 def _text(value: Any) -> str | None:
@@ -26,11 +28,12 @@ def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
         pipe.get(buffer.key(shard, "lease"))
         pipe.pttl(buffer.key(shard, "lease"))
         pipe.get(buffer.key(shard, "epoch"))
+        pipe.get(buffer.key(shard, "seq"))
     replies = pipe.execute()
     shards = []
     for shard in range(buffer.shards):
-        pending, since, batch, inflight, lease, lease_ttl, epoch = replies[
-            7 * shard : 7 * shard + 7
+        pending, since, batch, inflight, lease, lease_ttl, epoch, seq = replies[
+            8 * shard : 8 * shard + 8
         ]
         batch = {_text(k): _text(v) for k, v in batch.items()}
         shards.append(
@@ -46,6 +49,7 @@ def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
                 "lease_holder": (_text(lease) or "")[:8] or None,
                 "lease_expires_in": round(lease_ttl / 1000, 3) if lease_ttl > 0 else None,
                 "epoch": _text(epoch),
+                "seq": int(seq or 0),
             }
         )
     return shards
@@ -81,16 +85,31 @@ def ledger_status(using: str = "default") -> dict[str, Any]:
 
 
 def epoch_status(buffer: Buffer, shards: list[dict[str, Any]], using: str = "default") -> dict:
+    """Losses of Redis data, and whether counters need a rebuild because of them.
+
+    ``state`` is ``ok`` (never lost), ``lost`` (Redis lost data or went back in
+    time since the last flush looked), ``rebuild_needed`` (a flush saw a loss
+    and no full rebuild has completed since) or ``repaired`` (every loss so far
+    was followed by a completed full rebuild).
+    """
     rows = {e.shard: e for e in BufferEpoch.objects.using(using).filter(prefix=buffer.prefix)}
     unchecked = [
-        s["shard"] for s in shards if s["shard"] in rows and s["epoch"] != rows[s["shard"]].token
+        s["shard"]
+        for s in shards
+        if s["shard"] in rows
+        and (s["epoch"] != rows[s["shard"]].token or s["seq"] < rows[s["shard"]].seq)
     ]
     losses = sum(e.losses for e in rows.values())
     last = max((e.last_loss_at for e in rows.values() if e.last_loss_at), default=None)
+    since = min(
+        (e.rebuild_needed_since for e in rows.values() if e.rebuild_needed_since), default=None
+    )
     if unchecked:
         state = "lost"  # Redis lost data since the last flush saw it
+    elif since is not None:
+        state = "rebuild_needed"
     elif losses:
-        state = "recovered"
+        state = "repaired"
     else:
         state = "ok"
     return {
@@ -98,6 +117,9 @@ def epoch_status(buffer: Buffer, shards: list[dict[str, Any]], using: str = "def
         "shards_lost_since_last_flush": unchecked,
         "losses": losses,
         "last_loss_at": last.isoformat() if last else None,
+        "rebuild_needed": bool(unchecked) or since is not None,
+        "rebuild_needed_since": since.isoformat() if since else None,
+        "rebuild_command": REBUILD_COMMAND,
     }
 
 
@@ -116,4 +138,5 @@ def gather(buffer: Buffer, using: str = "default") -> dict[str, Any]:
         "last_flush": last_flush(buffer),
         "ledger": ledger_status(using),
         "epoch": epoch_status(buffer, shards, using),
+        "repair_queue": int(buffer.client.scard(queue_key(buffer))),
     }

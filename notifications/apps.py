@@ -20,4 +20,5 @@ class NotificationsConfig(AppConfig):
             key_field="user",
             value_field="count",
             source=UnreadTruth(),
+            non_negative=True,
         )

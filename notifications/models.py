@@ -122,14 +122,18 @@ class Notification(models.Model):
 
 class UnreadCounterManager(models.Manager):
     def get_count(self, user_or_id: Any) -> int:
-        """Exact unread count now: the stored row plus buffered deltas."""
+        """Exact unread count now: the stored row plus buffered deltas.
+
+        Never below 0: the counter is registered ``non_negative``, so a count
+        that drift made negative reads 0 and is queued for repair.
+        """
         import counters
 
         user_id = getattr(user_or_id, "pk", user_or_id)
         return counters.get_value(UNREAD_COUNTER, user_id, using=self.db)
 
     def get_counts(self, users_or_ids) -> dict[Any, int]:
-        """Exact unread counts of several users at once, keyed by user id."""
+        """Exact unread counts of several users at once, keyed by user id (never below 0)."""
         import counters
 
         ids = [getattr(u, "pk", u) for u in users_or_ids]

@@ -80,3 +80,15 @@ def own_redis(settings):
     with RedisServer() as server:
         settings.COUNTERS_REDIS_URL = server.url
         yield server
+
+
+@pytest.fixture
+def snapshot_redis(settings, tmp_path):
+    """Like ``own_redis``, with a data directory: the test may SAVE and restart from a snapshot."""
+    from tests.redis_server import RedisServer
+
+    data_dir = tmp_path / "redis"
+    data_dir.mkdir()
+    with RedisServer(data_dir=data_dir) as server:
+        settings.COUNTERS_REDIS_URL = server.url
+        yield server

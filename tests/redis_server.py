@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import redis
 
@@ -18,9 +19,16 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None) -> None:
+    """A redis-server without persistence; with ``data_dir``, ``SAVE`` writes an RDB there.
+
+    The server loads ``<data_dir>/dump.rdb`` when it starts, so a test can
+    restart it from an old snapshot (see :meth:`snapshot`, :meth:`restart_from`).
+    """
+
+    def __init__(self, port: int | None = None, data_dir: Path | None = None) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.data_dir = data_dir
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
@@ -38,6 +46,11 @@ class RedisServer:
                 "",
                 "--appendonly",
                 "no",
+                *(
+                    ["--dir", str(self.data_dir), "--dbfilename", "dump.rdb"]
+                    if self.data_dir
+                    else []
+                ),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -54,6 +67,26 @@ class RedisServer:
                 time.sleep(0.02)
         client.close()
         return self
+
+    def snapshot(self, path: Path) -> Path:
+        """``SAVE`` an RDB snapshot now and keep a copy of it at ``path``."""
+        if self.data_dir is None:
+            raise RuntimeError("this server has no data_dir to save to")
+        client = redis.Redis(port=self.port)
+        try:
+            client.save()
+        finally:
+            client.close()
+        shutil.copyfile(self.data_dir / "dump.rdb", path)
+        return path
+
+    def restart_from(self, snapshot: Path) -> None:
+        """SIGKILL the server and start it again from ``snapshot`` (an older RDB file)."""
+        if self.data_dir is None:
+            raise RuntimeError("this server has no data_dir to load from")
+        self.kill()
+        shutil.copyfile(snapshot, self.data_dir / "dump.rdb")
+        self.start()
 
     def kill(self) -> None:
         """SIGKILL: the server dies with everything it held in memory."""

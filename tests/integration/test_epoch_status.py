@@ -34,8 +34,9 @@ def restart_empty(server: RedisServer) -> None:
 
 
 def test_restart_without_persistence_is_detected_once_and_reported(
-    four_shards, own_redis, make_user, caplog
+    four_shards, own_redis, settings, make_user, caplog
 ):
+    settings.COUNTERS_AUTO_REBUILD = False
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="v")
     assert counters.flush().lost_shards == []
@@ -51,13 +52,17 @@ def test_restart_without_persistence_is_detected_once_and_reported(
     assert "REDIS LOST DATA in 4 shards" in result.summary()
     assert len([r for r in caplog.records if "notification_rebuild_counters" in r.message]) == 4
     status = gather(api.get_buffer())["epoch"]
-    assert (status["state"], status["losses"]) == ("recovered", 4)
-    assert counters.flush().lost_shards == []  # reported once, not at every flush
+    assert (status["state"], status["losses"]) == ("rebuild_needed", 4)
+    again = counters.flush()
+    assert again.lost_shards == []  # counted once, not at every flush
+    assert again.rebuild_needed_since == result.rebuild_needed_since  # but loud until rebuilt
     assert UnreadCounter.objects.get_count(alice) == truth(alice) - 1  # the loss is real
 
 
-def test_auto_rebuild_repairs_what_redis_lost(four_shards, own_redis, settings, make_user):
-    settings.COUNTERS_AUTO_REBUILD = True
+def test_auto_rebuild_is_on_by_default_and_repairs_what_redis_lost(
+    four_shards, own_redis, settings, make_user
+):
+    settings.COUNTERS_SOCKET_TIMEOUT = 0.2  # the rebuild confirms drift 0.6 s apart
     users = [make_user() for _ in range(3)]
     for user in users:
         Notification.objects.create(recipient=user, verb="v")
@@ -65,7 +70,12 @@ def test_auto_rebuild_repairs_what_redis_lost(four_shards, own_redis, settings, 
     for user in users:
         Notification.objects.create(recipient=user, verb="lost with Redis")
     restart_empty(own_redis)
-    assert counters.flush().lost_shards
+    result = counters.flush()
+    assert result.lost_shards
+    assert result.rebuild_needed_since is None  # the automatic rebuild completed
+    status = gather(api.get_buffer())
+    assert (status["epoch"]["state"], status["epoch"]["rebuild_needed"]) == ("repaired", False)
+    assert status["last_flush"]["rebuild_needed_since"] is None
     assert_exact(*users)
     assert [stored(u) for u in users] == [2, 2, 2]
 

@@ -12,7 +12,7 @@ from counters.buffer import PUSH_MARKER_TTL_MS, Buffer, shard_of
 
 PREFIX = "t"
 # With 4 shards: c:1, c:3 and c:8 live in shard 0, c:5 in shard 1, c:2 in shard 2, c:4 in shard 3.
-KEY_RE = re.compile(r"^t:\{s(\d+)\}:(pending|inflight|batch|gen|since|epoch|lease|push:.+)$")
+KEY_RE = re.compile(r"^t:\{s(\d+)\}:(pending|inflight|batch|gen|since|seq|epoch|lease|push:.+)$")
 
 
 @pytest.fixture
@@ -82,15 +82,19 @@ def test_every_key_of_a_shard_shares_its_hash_tag(buf, client):
         "t:{s0}:inflight",
         "t:{s0}:push:p1",
         "t:{s0}:push:p2",
+        "t:{s0}:seq",
         "t:{s1}:gen",
         "t:{s1}:push:p1",
+        "t:{s1}:seq",
         "t:{s2}:gen",
         "t:{s2}:pending",
         "t:{s2}:push:p1",
         "t:{s2}:push:p2",
+        "t:{s2}:seq",
         "t:{s2}:since",
         "t:{s3}:gen",
         "t:{s3}:push:p1",
+        "t:{s3}:seq",
     ]
     assert all(KEY_RE.match(k) for k in keys)
 
@@ -239,6 +243,23 @@ def test_ack_with_the_right_id_clears_it_and_the_next_move_starts_a_new_batch(bu
     assert batch is not None
     assert (batch.batch_id, batch.recovered, batch.items) == ("b2", False, {"c:3": 2})
     assert buf.move(0, "b3", 10).batch_id == "b2"
+
+
+def test_each_moved_batch_takes_the_next_sequence_number_of_its_shard(buf, client):
+    buf.push({"c:1": 5, "c:4": 1}, "p1")
+    first = buf.move(0, "b1", 10)
+    assert first is not None
+    assert (first.seq, first.prefix) == (1, PREFIX)
+    again = buf.move(0, "b2", 10)
+    assert again is not None
+    assert (again.batch_id, again.seq) == ("b1", 1)  # recovered: the same number
+    buf.ack(0, "b1")
+    assert buf.move(0, "b3", 10) is None  # nothing pending: no number taken
+    buf.push({"c:3": 1}, "p2")
+    second = buf.move(0, "b4", 10)
+    assert second is not None and second.seq == 2
+    assert buf.move(3, "b5", 10).seq == 1  # each shard numbers its own batches
+    assert (int(client.get("t:{s0}:seq")), int(client.get("t:{s3}:seq"))) == (2, 1)
 
 
 def test_ack_of_a_shard_without_batch_is_false(buf):

@@ -19,7 +19,9 @@ def isolated_registry(monkeypatch):
 
 
 def test_app_registers_the_unread_counter():
-    expected = CounterSpec("unread", "notifications.UnreadCounter", "user", "count")
+    expected = CounterSpec(
+        "unread", "notifications.UnreadCounter", "user", "count", non_negative=True
+    )
     assert get_spec("unread") == expected
 
 

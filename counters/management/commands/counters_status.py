@@ -43,8 +43,15 @@ class Command(BaseCommand):
             f"{totals['inflight_batches']} batches in flight, "
             f"max lag {totals['max_lag_seconds']}s",
             f"epoch: {epoch['state']} (losses {epoch['losses']}, "
-            f"last {_fmt(epoch['last_loss_at'])})",
+            f"last {_fmt(epoch['last_loss_at'])}); "
+            f"keys queued for repair: {status['repair_queue']}",
         ]
+        if epoch["rebuild_needed"]:
+            since = epoch["rebuild_needed_since"] or "now (no flush has seen it yet)"
+            lines.append(
+                f"REBUILD NEEDED since {since}: Redis lost buffered deltas, so some counts are "
+                f"wrong until a full rebuild completes: run `{epoch['rebuild_command']}`"
+            )
         last = status["last_flush"]
         if last is None:
             lines.append("last flush: never")

@@ -1,5 +1,9 @@
 """Recompute unread counts from the notifications and repair the wrong counters.
 
+Without ``--dry-run`` or ``--user`` this is the full rebuild: every counter
+with a truth source is rebuilt, and once it completes, a Redis data loss
+detected before it started no longer marks the counters as needing a rebuild.
+
 Exit status: 0 when nothing was wrong or everything was repaired, 3 when
 ``--dry-run`` found drift, 1 on errors (one readable line).
 """
@@ -12,7 +16,8 @@ import sys
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from counters.exceptions import BufferUnavailable
+from counters import api, epoch
+from counters.exceptions import BufferUnavailable, RebuildRunning
 from counters.rebuild import RebuildReport, rebuild
 from notifications.apps import UNREAD_COUNTER
 
@@ -70,15 +75,28 @@ class Command(BaseCommand):
         progress = None
         if not options["json"]:
             progress = Progress(self.stderr._out, sys.stderr.isatty())
+        using = options["database"]
+        full = not options["dry_run"] and options["users"] is None
+        others: list[RebuildReport] = []
         try:
-            report = rebuild(
-                UNREAD_COUNTER,
-                keys=options["users"],
-                dry_run=options["dry_run"],
-                batch_size=options["batch_size"],
-                progress=progress,
-                using=options["database"],
-            )
+            if full:
+                needed = epoch.rebuild_needed_since(api.get_buffer().prefix, using)
+                reports = api.rebuild_all(
+                    using=using, batch_size=options["batch_size"], progress=progress
+                )
+                report = next(r for r in reports if r.counter == UNREAD_COUNTER)
+                others = [r for r in reports if r is not report]
+            else:
+                report = rebuild(
+                    UNREAD_COUNTER,
+                    keys=options["users"],
+                    dry_run=options["dry_run"],
+                    batch_size=options["batch_size"],
+                    progress=progress,
+                    using=using,
+                )
+        except RebuildRunning as exc:
+            raise CommandError(str(exc)) from exc
         except BufferUnavailable as exc:
             raise CommandError(f"{exc} (a rebuild needs the buffered deltas)") from exc
         except DatabaseError as exc:
@@ -87,11 +105,16 @@ class Command(BaseCommand):
         finally:
             if progress is not None:
                 progress.close()
-        self.report(report, options["json"])
+        self.report(report, others, options["json"])
+        repaired_loss = (
+            full and needed and not epoch.rebuild_needed_since(api.get_buffer().prefix, using)
+        )
+        if repaired_loss and not options["json"]:
+            self.stdout.write(f"the Redis data loss seen since {needed.isoformat()} is repaired")
         if options["dry_run"] and report.wrong:
             sys.exit(DRIFT_FOUND)
 
-    def report(self, report: RebuildReport, as_json: bool) -> None:
+    def report(self, report: RebuildReport, others: list[RebuildReport], as_json: bool) -> None:
         if as_json:
             data = report.as_dict()
             data["wrong"] = [
@@ -103,7 +126,9 @@ class Command(BaseCommand):
                 }
                 for d in data["wrong"]
             ]
-            self.stdout.write(json.dumps(data))
+            if others:
+                data["other_counters"] = [other.as_dict() for other in others]
+            self.stdout.write(json.dumps(data, default=str))
             return
         for drift in report.wrong:
             self.stdout.write(
@@ -117,3 +142,5 @@ class Command(BaseCommand):
                 )
             )
         self.stdout.write(report.summary())
+        for other in others:
+            self.stdout.write(other.summary())

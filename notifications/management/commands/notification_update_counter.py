@@ -1,21 +1,27 @@
 """Flush buffered counter deltas into the DB once (for cron).
 
 Exit status 0 with one summary line per database (one line when there is one
-database); non-zero with one readable line when Redis or the database cannot
-be reached. ``--database`` flushes only that alias; without it, every alias of
-``counters.api.databases()`` is flushed.
+database); 1 with one readable line when Redis or the database cannot be
+reached or a shard failed; 4 (``REBUILD_NEEDED``) when Redis lost buffered
+deltas and no full rebuild has completed since: the summary (or JSON) still
+goes to stdout, and one line naming the fix to stderr. ``--database`` flushes
+only that alias; without it, every alias of ``counters.api.databases()``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connections
 
 import counters
 from counters import api
+from counters.epoch import REBUILD_COMMAND
 from counters.exceptions import BufferUnavailable, FlushFailed
+
+REBUILD_NEEDED = 4
 
 
 class Command(BaseCommand):
@@ -66,3 +72,14 @@ class Command(BaseCommand):
         else:
             for name, result in results.items():
                 self.stdout.write(f"{name}: {result.summary()}")
+        wrong = {
+            name: r.rebuild_needed_since for name, r in results.items() if r.rebuild_needed_since
+        }
+        for name, since in wrong.items():
+            where = f"database {name!r}: " if len(results) > 1 else ""
+            self.stderr.write(
+                f"{where}counts are wrong since {since} (Redis lost buffered deltas) until a "
+                f"full rebuild completes: run `{REBUILD_COMMAND}`"
+            )
+        if wrong:
+            sys.exit(REBUILD_NEEDED)
