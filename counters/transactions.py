@@ -1,24 +1,27 @@
-"""Deltas held per database transaction and sent once, after the real COMMIT.
+"""Deltas held per database transaction and sent once, right after the real COMMIT.
 
 Only what commits counts. This module follows every way Django lets a
 transaction end or partly roll back:
 
-- ``atomic()`` (autocommit on): the deltas are sent by one robust
-  ``on_commit`` callback, placed *first* in the connection's queue, so that
-  another callback that raises cannot keep it from running.
-- Manual transactions (``set_autocommit(False)``, then ``commit()`` or
-  ``rollback()``), with or without ``atomic()`` blocks inside: Django runs
-  ``on_commit`` callbacks there only when autocommit is turned back on, and
-  never if the connection is closed first. The deltas are sent right after
-  ``commit()`` instead, and dropped by ``rollback()`` and ``close()``.
+- ``commit()``, whether ``atomic()`` calls it or the caller does in a manual
+  transaction (``set_autocommit(False)``): the deltas are sent right after
+  the COMMIT, before Django runs any ``on_commit`` callback, so another
+  callback that raises (a broker that is down) cannot keep them from going,
+  and a manual transaction's deltas go even if the connection is closed
+  before autocommit comes back (Django would drop its callbacks then).
+- ``rollback()`` and ``close()`` drop them.
 - Savepoints, ``atomic()``'s and manual ones (``transaction.savepoint()`` /
   ``savepoint_rollback()``): a rollback to a savepoint drops the deltas
   recorded while it was open.
 
 Django has no hook for a manual commit or savepoint, so the connection's
 ``commit``, ``rollback``, ``close`` and ``savepoint*`` methods are wrapped
-(once per connection object, when it connects). Outside a transaction, with
-autocommit on, the change is already committed and its deltas go at once.
+(once per connection object, when it connects). Inside ``atomic()`` a robust
+``on_commit`` callback is queued as well: it finds nothing left to send after
+a real COMMIT, and it is what sends the deltas where no COMMIT ever happens
+but the callbacks are run (``TestCase.captureOnCommitCallbacks(execute=True)``).
+Outside a transaction, with autocommit on, the change is already committed
+and its deltas go at once.
 """
 
 from __future__ import annotations
@@ -51,7 +54,6 @@ class _Transaction:
         self.open: list[tuple[str, int]] = []  # (savepoint id, token), oldest first
         self.send: Sender | None = None
         self.callback_queued = False
-        self.manual = False
 
     def record(self, deltas: Mapping[str, int], send: Sender) -> None:
         context = tuple(token for _, token in self.open)
@@ -98,7 +100,6 @@ class _Transaction:
         self.open.clear()
         self.send = None
         self.callback_queued = False
-        self.manual = False
 
 
 def _state(conn: BaseDatabaseWrapper) -> _Transaction:
@@ -138,10 +139,7 @@ def install(conn: BaseDatabaseWrapper) -> None:
 
     def counted_commit() -> None:
         commit()
-        if state.manual:
-            _deliver(conn, state)
-        elif not state.callback_queued:
-            state.reset()
+        _deliver(conn, state)
 
     def counted_rollback() -> None:
         try:
@@ -193,16 +191,10 @@ def record(deltas: Mapping[str, int], using: str, send: Sender) -> None:
         return
     state = _state(conn)
     state.record(deltas, send)
-    if not in_atomic or not conn.commit_on_exit:
-        # A manual transaction (autocommit off), perhaps with atomic() blocks
-        # inside: it ends with the caller's commit() or rollback().
-        state.manual = True
-    elif not state.callback_queued:
+    if in_atomic and not state.callback_queued:
         state.callback_queued = True
-        # First in the queue: a callback registered earlier that raises stops
-        # Django's loop, and must not take these deltas down with it. No
-        # savepoint ids: rolled-back savepoints are handled by ``state``.
-        conn.run_on_commit.insert(0, (set(), lambda: _deliver(conn, state), True))
+        # No savepoint ids: rolled-back savepoints are handled by ``state``.
+        conn.run_on_commit.append((set(), lambda: _deliver(conn, state), True))
 
 
 def unsent(members: Iterable[str], using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:
