@@ -3,8 +3,10 @@
 Every response is JSON and never cached. Errors are ``{"error": "..."}`` with
 401 when not logged in, 403 for a failed CSRF check, 404 for a notification
 that does not exist or belongs to someone else, 400 for a malformed id,
-parameter or body, and 405 (with ``Allow``) for a wrong method. The OpenAPI
-document (:mod:`notifications.openapi`) describes all of it.
+parameter or body, 405 (with ``Allow``) for a wrong method, and 413 for a
+request body larger than ``DATA_UPLOAD_MAX_MEMORY_SIZE``. HEAD answers like GET
+without the body; OPTIONS answers 200 with ``Allow`` (no login needed). The
+OpenAPI document (:mod:`notifications.openapi`) describes all of it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from functools import wraps
 from typing import Any
 from urllib.parse import urlencode
 
-from django.core.exceptions import SuspiciousOperation
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.http.multipartparser import MultiPartParserError
 from django.middleware.csrf import CsrfViewMiddleware
@@ -51,29 +54,74 @@ def csrf_failure(request: HttpRequest) -> HttpResponse | None:
     return check.process_view(request, None, (), {})
 
 
+def allowed_methods(methods: tuple[str, ...]) -> list[str]:
+    """``methods`` with HEAD where GET is, and OPTIONS: what ``Allow`` lists."""
+    allowed = list(dict.fromkeys(methods))
+    if "GET" in allowed and "HEAD" not in allowed:
+        allowed.insert(allowed.index("GET") + 1, "HEAD")
+    if "OPTIONS" not in allowed:
+        allowed.append("OPTIONS")
+    return allowed
+
+
+def body_too_large(request: HttpRequest) -> HttpResponse | None:
+    """The 413 (or 400) response if the declared body size is over the limit or malformed."""
+    raw = request.META.get("CONTENT_LENGTH") or "0"
+    try:
+        length = int(raw)
+    except ValueError:
+        return error(400, "Content-Length must be an integer")
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    if limit is not None and length > limit:
+        return error(413, f"request body is larger than {limit} bytes")
+    return None
+
+
 def endpoint(*methods: str, public: bool = False) -> Callable[[View], View]:
-    """Method check (405), session authentication (401), CSRF check (403), no caching."""
+    """Method check (405), body size (413), session authentication (401), CSRF check (403),
+    HEAD and OPTIONS, no caching."""
+    allowed = allowed_methods(methods)
+    allow = ", ".join(allowed)
+    # OPTIONS is answered here unless the view lists it (the catch-all 404 does).
+    answer_options = "OPTIONS" not in methods
 
     def decorate(view: View) -> View:
-        @wraps(view)
-        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            if request.method not in methods:
+        def respond(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if request.method not in allowed:
                 response = error(405, f"method {request.method} is not allowed here")
-                response["Allow"] = ", ".join(methods)
+                response["Allow"] = allow
                 return response
-            if not public:
-                if not request.user.is_authenticated:
-                    return error(401, "authentication required")
-                if request.method not in SAFE_METHODS:
-                    rejected = csrf_failure(request)
-                    if rejected is not None:
-                        return rejected
+            if request.method == "OPTIONS" and answer_options:
+                response = JsonResponse({"allow": allowed})
+                response["Allow"] = allow
+                return response
+            too_large = body_too_large(request)
+            if too_large is not None:
+                return too_large
             try:
+                if not public:
+                    if not request.user.is_authenticated:
+                        return error(401, "authentication required")
+                    if request.method not in SAFE_METHODS:
+                        rejected = csrf_failure(request)
+                        if rejected is not None:
+                            return rejected
                 return view(request, *args, **kwargs)
+            except RequestDataTooBig:
+                return error(413, "request body is too large")
             except BadInput as exc:
                 return error(400, exc.message if exc.param == "body" else str(exc))
             except Notification.DoesNotExist:
                 return error(404, "no such notification")
+
+        @wraps(view)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            response = respond(request, *args, **kwargs)
+            if request.method == "HEAD" and not response.streaming:
+                # The headers of the GET answer, with its length, and no body.
+                response["Content-Length"] = str(len(response.content))
+                response.content = b""
+            return response
 
         return csrf_exempt(never_cache(wrapper))
 
@@ -134,7 +182,7 @@ def unread_count(request: HttpRequest) -> JsonResponse:
 @endpoint("GET", "DELETE")
 def notification_detail(request: HttpRequest, raw_id: str) -> JsonResponse:
     n = inbox.get_own(request.user, inbox.parse_id(raw_id))
-    if request.method == "GET":
+    if request.method in ("GET", "HEAD"):
         return JsonResponse(serialize(n))
     pk = n.pk
     n.delete()
@@ -174,6 +222,8 @@ def _json_object(request: HttpRequest) -> dict[str, Any]:
                 raise BadInput("body", not_json)
             return {}
         body = request.body
+    except RequestDataTooBig:
+        raise  # a 413, not a malformed body
     except (SuspiciousOperation, MultiPartParserError) as exc:
         raise BadInput("body", "request body could not be read") from exc
     if not body.strip():

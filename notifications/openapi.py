@@ -139,6 +139,7 @@ def _operation(
     if bad_input:
         responses["400"] = _error("Malformed id, parameter or body.")
     responses["401"] = _error("Not logged in.")
+    responses["413"] = _error("Request body larger than `DATA_UPLOAD_MAX_MEMORY_SIZE`.")
     security: list[dict[str, list]] = [{"sessionCookie": []}]
     if writes:
         responses["403"] = _error("CSRF check failed.")
@@ -151,6 +152,28 @@ def _operation(
         "security": security,
         "responses": responses,
         **extra,
+    }
+
+
+def _head(get: dict[str, Any]) -> dict[str, Any]:
+    """The HEAD twin of a GET operation: the same answers, headers only."""
+    responses = {
+        status: {key: value for key, value in answer.items() if key in ("description", "headers")}
+        for status, answer in get["responses"].items()
+    }
+    return {
+        **get,
+        "operationId": f"{get['operationId']}Head",
+        "summary": f"{get['summary']} (headers only)",
+        "responses": responses,
+    }
+
+
+def _with_heads(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every path item with a GET operation also gets its HEAD twin."""
+    return {
+        path: {**item, "head": _head(item["get"])} if "get" in item else item
+        for path, item in paths.items()
     }
 
 
@@ -169,11 +192,13 @@ def document() -> dict[str, Any]:
         {
             "name": "page",
             "in": "query",
+            "description": f"Page number, at most {MAX_PAGE}.",
             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE, "default": 1},
         },
         {
             "name": "page_size",
             "in": "query",
+            "description": f"Notifications per page, at most {MAX_PAGE_SIZE}.",
             "schema": {
                 "type": "integer",
                 "minimum": 1,
@@ -188,7 +213,7 @@ def document() -> dict[str, Any]:
             "schema": {"type": "boolean"},
         },
     ]
-    return {
+    doc: dict[str, Any] = {
         "openapi": "3.0.3",
         "info": {
             "title": "Tally notifications API",
@@ -197,7 +222,10 @@ def document() -> dict[str, Any]:
                 "The logged-in user's notifications. Authentication is Django's session "
                 "cookie; unsafe methods also need the CSRF token (from the `csrftoken` "
                 f'cookie) in the `{csrf_header}` header. Errors are JSON `{{"error": ...}}`; '
-                "a wrong method is a 405 with `Allow`. Responses are never cached."
+                "a wrong method is a 405 with `Allow`, a request body larger than "
+                "`DATA_UPLOAD_MAX_MEMORY_SIZE` (2.5 MB by default) a 413. HEAD answers "
+                "like GET without the body; OPTIONS on every endpoint answers 200 with "
+                '`Allow` (and `{"allow": [...]}`), without a login. Responses are never cached.'
             ),
         },
         "paths": {
@@ -278,3 +306,5 @@ def document() -> dict[str, Any]:
             },
         },
     }
+    doc["paths"] = _with_heads(doc["paths"])
+    return doc

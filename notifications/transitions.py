@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from django.db import NotSupportedError, models, router, transaction
+from django.db import NotSupportedError, connections, models, router, transaction
 
 import counters
 from counters.registry import get_spec
@@ -64,8 +64,15 @@ def _plain(qs: models.QuerySet) -> models.QuerySet:
 
 
 def _locked_state(qs: models.QuerySet) -> list[tuple[Any, Any, bool]]:
-    """(pk, recipient_id, is_read) of the rows of ``qs``, locked until the transaction ends."""
-    return list(qs.select_for_update().order_by("pk").values_list("pk", "recipient_id", "is_read"))
+    """(pk, recipient_id, is_read) of the rows of ``qs``, locked until the transaction ends.
+
+    Only the notification rows are locked (``FOR UPDATE OF`` its own table), never
+    rows of joined tables: PostgreSQL refuses to lock the nullable side of an outer
+    join (a filter on the nullable ``actor``), and a joined user must stay free.
+    """
+    of = ("self",) if connections[qs.db].features.has_select_for_update_of else ()
+    locked = qs.select_for_update(of=of).order_by("pk")
+    return list(locked.values_list("pk", "recipient_id", "is_read"))
 
 
 def _recipient_id(value: Any) -> Any:

@@ -24,6 +24,12 @@ def poll_seconds() -> float:
     return float(getattr(settings, "NOTIFICATIONS_POLL_INTERVAL", 5))
 
 
+def undo_seconds() -> float:
+    """Seconds a deleted item can be restored before the deletion is sent
+    (``NOTIFICATIONS_UNDO_SECONDS``)."""
+    return float(getattr(settings, "NOTIFICATIONS_UNDO_SECONDS", 5))
+
+
 def bad_request(request: HttpRequest, message: str) -> HttpResponse:
     return render(request, "notifications/bad_request.html", {"message": message}, status=400)
 
@@ -55,6 +61,7 @@ def inbox_page(request: HttpRequest) -> HttpResponse:
             "unread": inbox.unread_count(request.user),
             "until_id": inbox.newest_id(request.user),
             "poll_seconds": poll_seconds(),
+            "undo_seconds": undo_seconds(),
         },
     )
 

@@ -153,3 +153,41 @@ def test_rebuild_needs_the_change_permission(make_member, logged_in, alice):
     set_stored(alice, 5)
     client.post(COUNTERS, {"action": "rebuild", "_selected_action": [alice.pk]})
     assert UnreadCounter.objects.get_count(alice) == 5  # nothing was repaired
+
+
+@pytest.fixture
+def by_actor(alice, bob, make_member):
+    """alice's and bob's notifications, some from carol, some from dave, some without an actor."""
+    carol, dave = make_member("carol"), make_member("dave")
+    from_carol = notify(alice, 2, actor=carol) + notify(alice, 1, actor=carol, is_read=True)
+    from_carol += notify(bob, 1, actor=carol)
+    notify(alice, 2, actor=dave)
+    notify(alice, 1)
+    notify(bob, 1)
+    return from_carol
+
+
+@pytest.mark.parametrize(
+    ("action", "post"),
+    [
+        pytest.param({"action": "mark_read"}, {}, id="mark-read"),
+        pytest.param({"action": "delete_selected"}, {"post": "yes"}, id="delete-selected"),
+    ],
+)
+def test_actions_after_a_search_by_actor_are_counted(staff, alice, bob, by_actor, action, post):
+    changelist = f"{NOTIFICATIONS}?q=carol"
+    assert len(verbs(staff.get(changelist).content.decode())) == len(by_actor)
+    selected = {"_selected_action": [n.pk for n in by_actor]}
+    if post:  # the confirmation page of delete_selected, then its form
+        confirm = staff.post(changelist, {**action, **selected})
+        assert confirm.status_code == 200
+        assert "Are you sure" in confirm.content.decode()
+    response = staff.post(changelist, {**action, **selected, **post})
+    assert response.status_code == 302
+    mine = Notification.objects.filter(pk__in=[n.pk for n in by_actor])
+    if post:
+        assert not mine.exists()
+    else:
+        assert not mine.filter(is_read=False).exists()
+    assert (truth(alice), truth(bob)) == (3, 1)
+    assert_exact(alice, bob)

@@ -260,13 +260,13 @@ def test_malformed_ids_are_a_400(alice, logged_in, method, suffix):
 
 
 WRONG_METHODS = [
-    ("post", API, "GET"),
-    ("put", f"{API}unread-count/", "GET"),
-    ("get", f"{API}read-all/", "POST"),
-    ("patch", f"{API}1/", "GET, DELETE"),
-    ("get", f"{API}1/read/", "POST"),
-    ("delete", f"{API}1/unread/", "POST"),
-    ("post", "/api/openapi.json", "GET"),
+    ("post", API, "GET, HEAD, OPTIONS"),
+    ("put", f"{API}unread-count/", "GET, HEAD, OPTIONS"),
+    ("get", f"{API}read-all/", "POST, OPTIONS"),
+    ("patch", f"{API}1/", "GET, HEAD, DELETE, OPTIONS"),
+    ("get", f"{API}1/read/", "POST, OPTIONS"),
+    ("delete", f"{API}1/unread/", "POST, OPTIONS"),
+    ("post", "/api/openapi.json", "GET, HEAD, OPTIONS"),
 ]
 
 
@@ -336,9 +336,12 @@ def test_openapi_document_covers_every_endpoint(client):
     }
     assert operations == {
         ("GET", API),
+        ("HEAD", API),
         ("GET", f"{API}unread-count/"),
+        ("HEAD", f"{API}unread-count/"),
         ("POST", f"{API}read-all/"),
         ("GET", f"{API}{{id}}/"),
+        ("HEAD", f"{API}{{id}}/"),
         ("DELETE", f"{API}{{id}}/"),
         ("POST", f"{API}{{id}}/read/"),
         ("POST", f"{API}{{id}}/unread/"),

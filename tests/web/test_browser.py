@@ -3,7 +3,9 @@
 Logs in, reads the badge, marks one notification read and sees the badge drop
 by one, then sees it rise, without a reload, when another process creates a
 notification. Saves a screenshot of the inbox; with TALLY_SCREENSHOT=docs/inbox.png
-it refreshes the one the README shows.
+it refreshes the one the README shows. The actions happen in place (same
+document, same URL and scroll position), "Mark read" and "Mark unread" are
+equally wide, and a deletion can be undone until its delay has passed.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ def test_badge_drops_on_read_and_rises_on_a_notification_from_another_process(
             page.get_by_role("button", name="Mark read: mentioned you").click()
             expect(count).to_have_text(str(before - 1))
             assert truth(alice) == before - 1
-            expect(page.locator(".messages")).to_have_text("Marked read: mentioned you")
+            expect(page.locator("#toast")).to_have_text("Marked read: mentioned you")
 
             page.evaluate("window.sameDocument = true")
             code, _, err = run_manage(
@@ -130,3 +132,123 @@ def test_badge_drops_on_read_and_rises_on_a_notification_from_another_process(
             # or it would keep the test database open after the run.
             connections.close_all()
     assert_exact(alice)
+
+
+@pytest.fixture
+def browser_page(chromium, live_server, monkeypatch):
+    """A Chromium page (960 by 600, so the inbox scrolls); closed with its browser afterwards."""
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 960, "height": 600})
+        finally:
+            browser.close()
+            connections.close_all()
+
+
+def open_inbox(page, live_server, username: str = "alice") -> None:
+    page.goto(f"{live_server.url}/accounts/login/?next=/notifications/")
+    page.get_by_label("Username").fill(username)
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Log in").click()
+    expect(page).to_have_url(f"{live_server.url}/notifications/")
+    page.evaluate("window.sameDocument = true")  # gone if anything reloads the page
+
+
+def width(locator) -> float:
+    box = locator.bounding_box()
+    assert box is not None
+    return box["width"]
+
+
+@pytest.fixture
+def many(alice, bob):
+    """25 notifications of alice (a page of 20 and more), every third one read; bob's one."""
+    for i in range(25):
+        Notification.objects.create(recipient=alice, verb=f"event {i:02d}", is_read=i % 3 == 0)
+    Notification.objects.create(recipient=bob, verb="not for alice")
+
+
+def test_mark_read_unread_and_all_in_place(browser_page, live_server, alice, bob, many):
+    page = browser_page
+    open_inbox(page, live_server)
+    url, count = page.url, page.locator("#unread-count")
+    unread = truth(alice)
+    expect(count).to_have_text(str(unread))
+    assert unread == 16
+
+    # An unread item far down the page: scrolled to, marked read where it is.
+    item = page.locator(".notification", has_text="event 07")
+    item.scroll_into_view_if_needed()
+    scroll = page.evaluate("window.scrollY")
+    assert scroll > 0
+    read_button = item.get_by_role("button", name="Mark read: event 07")
+    unread_width = width(read_button)
+    read_button.click()
+    expect(count).to_have_text(str(unread - 1))
+    expect(item).not_to_have_class(re.compile(r"\bis-unread\b"))
+    toggle = item.get_by_role("button", name="Mark unread: event 07")
+    expect(toggle).to_be_visible()
+    expect(page.locator("#toast")).to_have_text("Marked read: event 07")
+    assert truth(alice) == unread - 1
+    assert (page.url, page.evaluate("window.scrollY")) == (url, scroll)
+    assert page.evaluate("window.sameDocument") is True
+
+    # "Mark read" and "Mark unread" are as wide as each other, in every row.
+    assert width(toggle) == unread_width
+    widths = {width(b) for b in page.locator(".toggle-read").all()}
+    assert len(widths) == 1, widths
+
+    toggle.click()
+    expect(count).to_have_text(str(unread))
+    expect(item.get_by_role("button", name="Mark read: event 07")).to_be_visible()
+    assert truth(alice) == unread
+
+    page.get_by_role("button", name="Mark all read").click()
+    expect(count).to_have_text("0")
+    expect(page.locator(".notification.is-unread")).to_have_count(0)
+    expect(page.get_by_role("button", name="Mark all read")).to_be_disabled()
+    expect(page).to_have_title("Notifications · Tally")
+    # Also the oldest ones, on page 2: everything up to the newest one when the page loaded.
+    expect(page.locator("#toast")).to_have_text(f"Marked {unread} notifications read.")
+    assert page.evaluate("window.sameDocument") is True
+    assert truth(alice) == 0
+    assert truth(bob) == 1
+    assert_exact(alice, bob)
+
+
+def test_delete_hides_the_item_with_an_undo_then_deletes_it(
+    browser_page, live_server, alice, bob, many
+):
+    page = browser_page
+    page.clock.install()  # the undo delay runs only when the test moves the clock on
+    open_inbox(page, live_server)
+    count = page.locator("#unread-count")
+    unread = truth(alice)
+    target = Notification.objects.get(recipient=alice, verb="event 05")
+    item = page.locator(f"#notification-{target.pk}")
+
+    item.get_by_role("button", name="Delete: event 05").click()
+    expect(item).to_be_hidden()
+    undo = page.get_by_role("button", name="Undo delete: event 05")
+    expect(undo).to_be_focused()
+    expect(page.locator(".undo-row")).to_have_text("Deleted: event 05. Undo")
+    undo.click()
+    expect(item).to_be_visible()
+    expect(page.locator(".undo-row")).to_have_count(0)
+    assert Notification.objects.filter(pk=target.pk).exists()
+    expect(count).to_have_text(str(unread))
+
+    item.get_by_role("button", name="Delete: event 05").click()
+    expect(item).to_be_hidden()
+    assert Notification.objects.filter(pk=target.pk).exists()  # not sent before the undo time
+    page.clock.run_for(6_000)
+    expect(item).to_have_count(0)
+    expect(page.locator(".undo-row")).to_have_count(0)
+    expect(count).to_have_text(str(unread - 1))
+    expect(page.locator("#toast")).to_have_text("Deleted: event 05")
+    assert not Notification.objects.filter(pk=target.pk).exists()
+    assert truth(alice) == unread - 1
+    assert page.evaluate("window.sameDocument") is True
+    assert_exact(alice, bob)

@@ -82,8 +82,10 @@ def test_every_operation_conforms(case, session, alice, bob):
 
 
 def test_linked_operations_conform(session, alice, bob):
+    # HEAD operations answer without a body, so no link leads on from them; the
+    # stateless test above covers them.
     run_state_machine_as_test(
-        schema.as_state_machine(),
+        schema.exclude(method="HEAD").as_state_machine(),
         settings=hypothesis_settings(
             max_examples=25,
             stateful_step_count=6,
