@@ -239,7 +239,10 @@ def flush_shard(
                             shard,
                         )
                         return
-                    if narrowed is None and not batch.recovered:
+                    if narrowed is not None and batch.recovered:
+                        # Members it sent back to pending were not counted when this run began.
+                        target += len(batch.items) - len(narrowed.items)
+                    elif narrowed is None and not batch.recovered:
                         moved += len(batch.items)  # quarantined: gone from Redis
                         if moved >= target:
                             return
