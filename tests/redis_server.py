@@ -68,6 +68,26 @@ class RedisServer:
         client.close()
         return self
 
+    def client(self) -> redis.Redis:
+        """A plain client of this server (the caller closes it)."""
+        return redis.Redis(port=self.port)
+
+    def limit_memory(self, maxmemory: int, policy: str = "noeviction") -> None:
+        """``CONFIG SET maxmemory`` (bytes) and ``maxmemory-policy``: 0 lifts the limit."""
+        client = self.client()
+        try:
+            client.config_set("maxmemory-policy", policy)
+            client.config_set("maxmemory", str(maxmemory))
+        finally:
+            client.close()
+
+    def used_memory(self) -> int:
+        client = self.client()
+        try:
+            return int(client.info("memory")["used_memory"])
+        finally:
+            client.close()
+
     def snapshot(self, path: Path) -> Path:
         """``SAVE`` an RDB snapshot now and keep a copy of it at ``path``."""
         if self.data_dir is None:
