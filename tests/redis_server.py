@@ -81,6 +81,28 @@ class RedisServer:
         finally:
             client.close()
 
+    def fill(self, headroom: int = 256 * 1024, chunk: int = 16 * 1024) -> int:
+        """Limit memory to what is used now plus ``headroom`` (``noeviction``), then fill
+        it with filler strings until Redis refuses a write; returns how many it took.
+
+        The limit ends a few chunks below what Redis then uses, so that client
+        buffers freed meanwhile (tens of KB) do not make room again.
+        """
+        self.limit_memory(self.used_memory() + headroom)
+        client = self.client()
+        try:
+            for i in range(10 * headroom // chunk):
+                try:
+                    client.set(f"filler:{i}", "x" * chunk)
+                except redis.exceptions.OutOfMemoryError:
+                    break
+            else:
+                raise AssertionError("Redis never reached maxmemory")
+        finally:
+            client.close()
+        self.limit_memory(self.used_memory() - 4 * chunk)
+        return i
+
     def used_memory(self) -> int:
         client = self.client()
         try:

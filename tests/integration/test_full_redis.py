@@ -21,9 +21,6 @@ from notifications.models import Notification, UnreadCounter
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
 USERS = 2000
-#: Room left above the memory Redis uses once the deltas are pending; filler takes it.
-HEADROOM = 256 * 1024
-FILLER = "x" * 16 * 1024
 
 
 @pytest.fixture
@@ -36,28 +33,6 @@ def make_users(n: int) -> list:
     User = get_user_model()
     User.objects.bulk_create([User(username=f"full-{i}") for i in range(n)])
     return list(User.objects.filter(username__startswith="full-").order_by("pk"))
-
-
-def fill(server) -> int:
-    """Limit Redis to what it uses now plus HEADROOM, then fill it; returns the filler keys.
-
-    The limit ends below what Redis then uses, so that client buffers freed
-    meanwhile (tens of KB) do not make room again.
-    """
-    server.limit_memory(server.used_memory() + HEADROOM)
-    client = server.client()
-    try:
-        for i in range(10 * HEADROOM // len(FILLER)):
-            try:
-                client.set(f"filler:{i}", FILLER)
-            except OutOfMemoryError:
-                break
-        else:
-            raise AssertionError("Redis never reached maxmemory")
-    finally:
-        client.close()
-    server.limit_memory(server.used_memory() - 4 * len(FILLER))
-    return i
 
 
 def pending_total() -> int:
@@ -89,7 +64,7 @@ def test_a_full_redis_refuses_pushes_and_is_still_drained_exactly(own_redis, sma
     Notification.objects.filter(recipient__in=users[::5], verb="first").mark_all_read()
     pending = pending_total()
     assert pending > USERS // 2
-    assert fill(own_redis) > 0
+    assert own_redis.fill() > 0
 
     # Redis is full: a push is refused, and the write path falls back to the DB.
     buffer = api.get_buffer()
@@ -122,7 +97,7 @@ def test_the_drain_path_scripts_run_at_maxmemory(own_redis, settings):
     settings.COUNTERS_SHARDS = 1
     buffer = api.get_buffer()
     buffer.push({"unread:1": 2, "unread:2": 3}, "before")
-    fill(own_redis)
+    own_redis.fill()
     lease = Lease(buffer.client, buffer.key(0, "lease"), 30)
     assert lease.acquire() is True
     assert lease.extend() is True
@@ -139,7 +114,7 @@ def test_the_drain_path_scripts_run_at_maxmemory(own_redis, settings):
 
 def test_recording_the_flush_is_skipped_with_a_log_line_at_maxmemory(own_redis, caplog):
     buffer = api.get_buffer()
-    fill(own_redis)
+    own_redis.fill()
     with caplog.at_level(logging.WARNING, logger="counters.api"):
         api.record_flush(buffer, FlushResult(batches=3))
     [record] = [r for r in caplog.records if r.name == "counters.api"]
