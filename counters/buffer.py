@@ -81,8 +81,9 @@ if value == 'fenced' then return 0 end
 return 1
 """
 
-# Return the batch in flight, or move up to ARGV[2] pending members into a new batch ARGV[1]
-# tagged with the shard's next sequence number (epoch.py compares it with the DB's).
+# Return the batch in flight, or move up to ARGV[2] pending members (only members ARGV[4..]
+# when given) into a new batch ARGV[1] tagged with the shard's next sequence number
+# (epoch.py compares it with the DB's).
 MOVE_SCRIPT = """
 local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local since, seq = KEYS[5], KEYS[6]
@@ -93,7 +94,19 @@ if current then
   return {'inflight', current, info[1], redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES'),
           info[2] or '0'}
 end
-local popped = redis.call('ZPOPMIN', pending, limit)
+local popped = {}
+if #ARGV > 3 then
+  for i = 4, math.min(#ARGV, limit + 3) do
+    local score = redis.call('ZSCORE', pending, ARGV[i])
+    if score then
+      redis.call('ZREM', pending, ARGV[i])
+      popped[#popped + 1] = ARGV[i]
+      popped[#popped + 1] = score
+    end
+  end
+else
+  popped = redis.call('ZPOPMIN', pending, limit)
+end
 if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
 if #popped == 0 then return {'empty'} end
 local items, chunk = {}, {}
@@ -427,15 +440,17 @@ class Buffer:
     def pending_count(self, shard: int) -> int:
         return int(self.client.zcard(self.key(shard, "pending")))
 
-    def move(self, shard: int, batch_id: str, limit: int) -> Batch | None:
+    def move(self, shard: int, batch_id: str, limit: int, only: Iterable[str] = ()) -> Batch | None:
         """Move up to ``limit`` pending members into a new in-flight batch.
 
-        If a batch is already in flight it is returned instead (``recovered``);
-        None means the shard had nothing pending.
+        With ``only``, just those members that are pending are moved (members
+        a narrowed batch sent back, see :meth:`narrow`). If a batch is already
+        in flight it is returned instead (``recovered``); None means the
+        shard had nothing (of ``only``) pending.
         """
         now_ms = int(time.time() * 1000)
         keys = [*self._shard_keys(shard), self.key(shard, "seq")]
-        reply = self._move(keys=keys, args=[batch_id, limit, now_ms])
+        reply = self._move(keys=keys, args=[batch_id, limit, now_ms, *only])
         status = _text(reply[0])
         if status == "empty":
             return None

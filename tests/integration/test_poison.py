@@ -7,13 +7,15 @@ import io
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import connection
 
 import counters
-from counters import api, registry
+from counters import api, flusher, registry
 from counters.models import FlushBatch
 from counters.status import gather
 from notifications.models import Notification, UnreadCounter
@@ -270,3 +272,34 @@ def test_overflow_of_one_key_does_not_hold_up_the_keys_after_it(four_shards, mak
     assert sorted(pk for pk, count in rows.items() if count == 1) == sorted(
         u.pk for u in users if u != victim
     )
+
+
+def test_a_poison_is_found_in_halvings_while_a_backlog_waits(settings, make_user):
+    """Halves sent back to pending are moved by themselves next, not mixed into the backlog."""
+    settings.COUNTERS_SHARDS = 1
+    settings.COUNTERS_BATCH_SIZE = 64
+    User = get_user_model()
+    User.objects.bulk_create([User(username=f"backlog-{i}") for i in range(511)])
+    pks = list(User.objects.filter(username__startswith="backlog-").values_list("pk", flat=True))
+    # The poison's delta is the lowest score, so the first batch takes it; as a member it
+    # sorts after every numeric key, so each narrowing sends it back with the second half.
+    buffer().push({"unread:abc": -1, **{f"unread:{pk}": 1 for pk in pks}}, "backlog")
+    attempts: list[tuple[int, bool]] = []
+    real = flusher.apply_batch
+
+    def spy(batch, using, result):
+        try:
+            real(batch, using, result)
+        except Exception:
+            attempts.append((len(batch.items), False))
+            raise
+        attempts.append((len(batch.items), True))
+
+    with mock.patch.object(flusher, "apply_batch", spy):
+        result = counters.flush()
+    assert [size for size, ok in attempts if not ok] == [64, 32, 16, 8, 4, 2, 1]
+    assert result.quarantined == 1
+    assert [(e.member, e.delta) for e in buffer().quarantined()] == [("unread:abc", -1)]
+    assert sum(size for size, ok in attempts if ok) == len(pks)
+    rows = dict(UnreadCounter.objects.filter(user_id__in=pks).values_list("user_id", "count"))
+    assert rows == dict.fromkeys(pks, 1)

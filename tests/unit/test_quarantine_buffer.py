@@ -159,3 +159,16 @@ def test_error_line_names_the_type_and_the_first_line():
     assert error_line(ValueError("bad\nsecond line")) == "ValueError: bad"
     assert error_line(KeyError()) == "KeyError"
     assert len(error_line(ValueError("x" * 1000))) == 300
+
+
+def test_move_only_takes_the_given_members_that_are_pending(buf, client):
+    buf.push({"c:1": 1, "c:2": 2, "c:3": 3}, "p")
+    batch = buf.move(0, "b1", 10, only=["c:3", "c:1", "c:9"])
+    assert batch is not None and (batch.items, batch.recovered) == ({"c:3": 3, "c:1": 1}, False)
+    assert zset(client, "pending") == {"c:2": 2}
+    again = buf.move(0, "b2", 10, only=["c:2"])  # b1 is still in flight: it is returned
+    assert again is not None and (again.batch_id, again.recovered) == ("b1", True)
+    buf.ack(0, "b1")
+    assert buf.move(0, "b3", 10, only=["c:9"]) is None
+    limited = buf.move(0, "b4", 1, only=["c:2", "c:1"])
+    assert limited is not None and limited.items == {"c:2": 2}
