@@ -318,14 +318,15 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
 
 
 def _take_back(buffer: Buffer, undo: dict[str, int], undo_id: str, using: str) -> bool:
-    """Push ``undo`` once (id ``undo_id``); what Redis cannot take goes to the DB directly.
+    """Push ``undo`` once (id ``undo_id``); what Redis does not take goes to the DB directly.
 
     Redis refuses a member whose pending sum would reach 2**53, and every
-    push when it is at maxmemory: those members are written to the DB as a
-    settled direct write (id ``fallback-<undo_id>``) instead, after fencing
-    the push where it did not apply. Taking back in the DB what the late push
-    added in Redis nets out the same once the flush applies it. Returns False
-    if the direct write failed (it is logged; the caller retries later).
+    push when it is at maxmemory. The push id is then fenced where it did not
+    apply, and those members are written to the DB as a settled direct write
+    (id ``fallback-<undo_id>``): taking back in the DB what the late push
+    added in Redis nets out the same once the flush applies it. Safe to
+    repeat. Returns False if the direct write failed (it is logged; the
+    caller tries again later).
     """
     from .models import FALLBACK_PREFIX, FlushBatch
 
@@ -339,11 +340,11 @@ def _take_back(buffer: Buffer, undo: dict[str, int], undo_id: str, using: str) -
     except (RedisConnectionError, RedisTimeoutError):
         raise
     except (RedisError, StalePush) as exc:  # Redis at maxmemory refuses pushes
-        landed = buffer.fence(rest, undo_id)
-        direct.update({m: d for m, d in rest.items() if buffer.shard_of(m) not in landed})
-        logger.info(
-            "Redis refused a take-back push (%s); writing %s deltas to the DB", exc, len(direct)
-        )
+        logger.info("Redis refused a take-back push (%s); writing it to the DB", exc)
+    # Shards where the push did not apply (refused now, or fenced by an earlier
+    # attempt whose direct write failed) take it back in the DB.
+    landed = buffer.fence(rest, undo_id)
+    direct.update({m: d for m, d in rest.items() if buffer.shard_of(m) not in landed})
     if not direct:
         return True
     write_direct(direct, using, push_id=undo_id)

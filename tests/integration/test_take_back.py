@@ -3,7 +3,10 @@ a pending sum near 2**53, or Redis at maxmemory. The take-back goes to the DB on
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
+from django.db import OperationalError
 
 import counters
 from counters import api
@@ -71,3 +74,18 @@ def test_a_take_back_refused_by_a_full_redis_is_written_to_the_db(own_redis, mak
     assert (stored(alice), stored(bob)) == (4, 2)
     assert (exact(alice), exact(bob)) == (4, 2)
     assert not FlushBatch.objects.filter(unsettled__isnull=False).exists()
+
+
+def test_a_take_back_whose_db_write_failed_is_made_once_later(own_redis, make_user):
+    alice = make_user()
+    late_push_landed(alice, 4)
+    own_redis.fill()
+    buffer = api.get_buffer()
+    with mock.patch("counters.apply.apply_deltas", side_effect=OperationalError("db hiccup")):
+        assert api.settle_fallbacks(buffer) == 0  # refused by Redis, then by the DB
+    assert FlushBatch.objects.filter(unsettled__isnull=False).count() == 1
+    own_redis.limit_memory(0)  # room again; the take-back push id is fenced by now
+    assert api.settle_fallbacks(buffer) == 1
+    assert FlushBatch.objects.filter(pk=f"{FALLBACK_PREFIX}{PUSH_ID}-undo").exists()
+    counters.flush()
+    assert stored(alice) == exact(alice) == 4
