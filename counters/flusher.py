@@ -10,17 +10,17 @@ the ledger's primary key, so one of them applies it.
 Poison isolation: a batch that fails to apply for any reason but the state of
 the database (:data:`SYSTEMIC`: a lost connection, a deadlock, a lock
 timeout, a read-only database; the batch stays in flight and the shard fails
-this run) is narrowed in Redis. Its second half goes back to
-pending and its first half stays in flight as a batch of its own
-(``<id>/1``, ``<id>/2``, ...), applied and acknowledged like any other; a
-failing half is narrowed again, and the halves sent back are moved next by
-themselves (a binary search: 1000 members with one poison cost 11 failed
-transactions). A member that fails alone is moved to the
-shard's quarantine with its error (not applied, not lost) and the rest of the
-shard flows on. Every step is one atomic script that checks the batch id in
-flight, so the in-flight batch is always exactly what its ledger id covers:
-a crash at any point leaves a batch that the next flush applies or only
-acknowledges, and reads never count a delta twice.
+this run) is narrowed in Redis. Its second half goes back to pending and its
+first half stays in flight as a batch of its own (``<id>/1``, ``<id>/2``,
+...), applied and acknowledged like any other. A failing half is narrowed
+again, and the halves sent back are moved next by themselves: a binary
+search, so 1000 members with one poison delta cost 11 failed transactions.
+A member that fails alone is moved to the shard's quarantine with its error
+(not applied, not lost) and the rest of the shard flows on. Every step is one
+atomic script that checks the batch id in flight, so the in-flight batch is
+always exactly what its ledger id covers: a crash at any point leaves a batch
+that the next flush applies or only acknowledges, and reads never count a
+delta twice.
 """
 
 from __future__ import annotations
