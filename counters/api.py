@@ -25,9 +25,12 @@ from django.dispatch import receiver
 from django.utils import timezone
 from redis import Redis, RedisError
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import conf, repair, transactions
+from . import conf, quarantine, repair, transactions
 from .buffer import Buffer
 from .exceptions import (
     BufferUnavailable,
@@ -294,7 +297,8 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
         landed = buffer.fence(deltas, push_id)
         if landed:
             undo = {m: -d for m, d in deltas.items() if buffer.shard_of(m) in landed}
-            buffer.push(undo, f"{push_id}-undo")
+            if not _take_back(buffer, undo, f"{push_id}-undo", using):
+                continue  # the DB refused the take-back: the next flush tries again
             compensated += 1
             logger.warning(
                 "push %s timed out but reached Redis later; took back its %s deltas",
@@ -313,14 +317,56 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
     return compensated
 
 
+def _take_back(buffer: Buffer, undo: dict[str, int], undo_id: str, using: str) -> bool:
+    """Push ``undo`` once (id ``undo_id``); what Redis does not take goes to the DB directly.
+
+    Redis refuses a member whose pending sum would reach 2**53, and every
+    push when it is at maxmemory. The push id is then fenced where it did not
+    apply, and those members are written to the DB as a settled direct write
+    (id ``fallback-<undo_id>``): taking back in the DB what the late push
+    added in Redis nets out the same once the flush applies it. Safe to
+    repeat. Returns False if the direct write failed (it is logged; the
+    caller tries again later).
+    """
+    from .models import FALLBACK_PREFIX, FlushBatch
+
+    batch_id = f"{FALLBACK_PREFIX}{undo_id}"
+    ledger = FlushBatch.objects.using(using)
+    if ledger.filter(pk=batch_id).exists():
+        return True  # taken back in the DB already: pushing it now would take it twice
+    rest, direct = dict(undo), {}
+    try:
+        _push_exact(buffer, rest, direct, undo_id)
+    except (RedisConnectionError, RedisTimeoutError):
+        raise
+    except (RedisError, StalePush) as exc:  # Redis at maxmemory refuses pushes
+        logger.info("Redis refused a take-back push (%s); writing it to the DB", exc)
+    # Shards where the push did not apply (refused now, or fenced by an earlier
+    # attempt whose direct write failed) take it back in the DB.
+    landed = buffer.fence(rest, undo_id)
+    direct.update({m: d for m, d in rest.items() if buffer.shard_of(m) not in landed})
+    if not direct:
+        return True
+    write_direct(direct, using, push_id=undo_id)
+    return ledger.filter(pk=batch_id).exists()
+
+
 # -- flush ----------------------------------------------------------------------
 
 
-def flush(*, using: str | None = None, time_budget: float | None = None):
+def flush(
+    *,
+    using: str | None = None,
+    time_budget: float | None = None,
+    retry_quarantined: bool = False,
+    discard_quarantined: bool = False,
+):
     """Flush every shard of database ``using`` once; returns a FlushResult.
 
     Without ``using``, every database of :func:`databases` is flushed (see
     :func:`flush_databases`) and the result is their sum.
+    ``retry_quarantined`` first puts the quarantined deltas back into the
+    buffer, ``discard_quarantined`` drops them (see ``counters.quarantine``).
     Then rebuilds the keys queued by reads below zero, and, while Redis data
     loss is not repaired yet ("rebuild needed") and ``COUNTERS_AUTO_REBUILD``
     is on, runs the full rebuild. ``result.rebuild_needed_since`` tells if
@@ -331,9 +377,16 @@ def flush(*, using: str | None = None, time_budget: float | None = None):
     from .flusher import flush as run_flush
 
     if using is None:
-        return _added_up(list(flush_databases(time_budget=time_budget).values()))
+        results = flush_databases(
+            time_budget=time_budget,
+            retry_quarantined=retry_quarantined,
+            discard_quarantined=discard_quarantined,
+        )
+        return _added_up(list(results.values()))
     buffer = get_buffer(using)
     try:
+        requeued = quarantine.retry(buffer) if retry_quarantined else 0
+        discarded = quarantine.discard(buffer) if discard_quarantined else 0
         # Fence late pushes first, so that what they added and what takes it
         # back cancel out in the pending set before this flush moves it.
         compensated = settle_fallbacks(buffer, using)
@@ -346,6 +399,7 @@ def flush(*, using: str | None = None, time_budget: float | None = None):
             retention=conf.ledger_retention(),
         )
         result.compensated = compensated
+        result.requeued, result.discarded = requeued, discarded
         result.repaired = repair_queued(buffer, using)
         result.rebuild_needed_since = _needed_since(buffer, using)
         if result.rebuild_needed_since and conf.auto_rebuild():
@@ -360,7 +414,12 @@ def flush(*, using: str | None = None, time_budget: float | None = None):
     return result
 
 
-def flush_databases(*, time_budget: float | None = None) -> dict:
+def flush_databases(
+    *,
+    time_budget: float | None = None,
+    retry_quarantined: bool = False,
+    discard_quarantined: bool = False,
+) -> dict:
     """Flush each database of :func:`databases` once; returns {alias: FlushResult}.
 
     Each database gets its own time budget. One database failing does not
@@ -372,7 +431,12 @@ def flush_databases(*, time_budget: float | None = None) -> dict:
     aliases = databases()
     for alias in aliases:
         try:
-            results[alias] = flush(using=alias, time_budget=time_budget)
+            results[alias] = flush(
+                using=alias,
+                time_budget=time_budget,
+                retry_quarantined=retry_quarantined,
+                discard_quarantined=discard_quarantined,
+            )
         except BufferUnavailable:
             raise
         except (FlushFailed, DatabaseError) as exc:
@@ -427,10 +491,21 @@ def _auto_rebuild(using: str) -> bool:
 
 
 def record_flush(buffer: Buffer, result) -> None:
-    """Keep the last flush's result in Redis for ``counters_status``."""
+    """Keep the last flush's result in Redis for ``counters_status``.
+
+    Skipped (with a log line) when Redis is at maxmemory: draining it does
+    not need this record.
+    """
     data = {k: json.dumps(v) for k, v in result.as_dict().items()}
     data["at"] = json.dumps(time.time())
-    buffer.client.hset(f"{buffer.prefix}:last_flush", mapping=data)
+    try:
+        buffer.client.hset(f"{buffer.prefix}:last_flush", mapping=data)
+    except OutOfMemoryError:
+        logger.warning(
+            "Redis is at maxmemory: the result of this flush is not recorded for "
+            "counters_status (%s)",
+            result.summary(),
+        )
 
 
 def rebuild_lease(buffer: Buffer) -> Lease:

@@ -16,6 +16,8 @@ each script touches one Redis Cluster slot)::
     <prefix>:{sN}:epoch          STR   token that vanishes if Redis loses its data (epoch.py)
     <prefix>:{sN}:lease          STR   flusher lease token (see lease.py)
     <prefix>:{sN}:push:<id>      STR   short-lived marker that makes a push idempotent
+    <prefix>:{sN}:quarantine     HASH  "<batch id>|<member>" -> JSON {member, delta, error, at}:
+                                       deltas that failed alone, kept until retried or discarded
 
 Per prefix (no hash tag, single-key commands only)::
 
@@ -26,6 +28,7 @@ Per prefix (no hash tag, single-key commands only)::
 
 from __future__ import annotations
 
+import json
 import time
 import zlib
 from collections import defaultdict
@@ -37,6 +40,7 @@ from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
 from .exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
+from .scripts import DrainScript
 
 # Add deltas to one shard's pending set once per push id, unless the push is older than
 # ARGV[3] ms (delivered late) or was fenced, or a sum would leave the exact range of a score.
@@ -77,8 +81,9 @@ if value == 'fenced' then return 0 end
 return 1
 """
 
-# Return the batch in flight, or move up to ARGV[2] pending members into a new batch ARGV[1]
-# tagged with the shard's next sequence number (epoch.py compares it with the DB's).
+# Return the batch in flight, or move up to ARGV[2] pending members (only members ARGV[4..]
+# when given) into a new batch ARGV[1] tagged with the shard's next sequence number
+# (epoch.py compares it with the DB's).
 MOVE_SCRIPT = """
 local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local since, seq = KEYS[5], KEYS[6]
@@ -89,7 +94,19 @@ if current then
   return {'inflight', current, info[1], redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES'),
           info[2] or '0'}
 end
-local popped = redis.call('ZPOPMIN', pending, limit)
+local popped = {}
+if #ARGV > 3 then
+  for i = 4, math.min(#ARGV, limit + 3) do
+    local score = redis.call('ZSCORE', pending, ARGV[i])
+    if score then
+      redis.call('ZREM', pending, ARGV[i])
+      popped[#popped + 1] = ARGV[i]
+      popped[#popped + 1] = score
+    end
+  end
+else
+  popped = redis.call('ZPOPMIN', pending, limit)
+end
 if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
 if #popped == 0 then return {'empty'} end
 local items, chunk = {}, {}
@@ -137,6 +154,75 @@ end
 return out
 """
 
+# Narrow in-flight batch ARGV[1] to a batch ARGV[2]: members ARGV[4..] go back to pending
+# unless their pending sum would leave the exact range of a score; {1, items left} or {0}.
+NARROW_SCRIPT = """
+local pending, inflight, batch, gen, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local batch_id, new_id, now_ms = ARGV[1], ARGV[2], ARGV[3]
+local limit = 9007199254740992
+if redis.call('HGET', batch, 'id') ~= batch_id then return {0} end
+local returned = 0
+for i = 4, #ARGV do
+  local member = ARGV[i]
+  local delta = redis.call('ZSCORE', inflight, member)
+  if delta then
+    local sum = tonumber(redis.call('ZSCORE', pending, member) or '0') + tonumber(delta)
+    if sum < limit and sum > -limit then
+      redis.call('ZREM', inflight, member)
+      if tonumber(redis.call('ZINCRBY', pending, delta, member)) == 0 then
+        redis.call('ZREM', pending, member)
+      end
+      returned = returned + 1
+    end
+  end
+end
+if returned > 0 then redis.call('SET', since, now_ms, 'NX') end
+redis.call('HSET', batch, 'id', new_id)
+redis.call('INCR', gen)
+return {1, redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES')}
+"""
+
+# Quarantine in-flight batch ARGV[1]: store fields ARGV[2], ARGV[4].. with values ARGV[3], ARGV[5]..
+# and forget the batch, if it is still the batch in flight; 1 if so, else 0.
+QUARANTINE_SCRIPT = """
+local inflight, batch, gen, quarantine = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local batch_id = ARGV[1]
+if redis.call('HGET', batch, 'id') ~= batch_id then return 0 end
+for i = 2, #ARGV, 2 do
+  redis.call('HSET', quarantine, ARGV[i], ARGV[i + 1])
+end
+redis.call('DEL', inflight, batch)
+redis.call('INCR', gen)
+return 1
+"""
+
+# Put quarantined deltas back: for each (field, member, delta) in ARGV[2..] whose field is
+# still quarantined, add delta to the pending member and drop the field, unless the sum would
+# leave the exact range of a score; returns {requeued count, refused fields...}.
+REQUEUE_SCRIPT = """
+local pending, quarantine, since = KEYS[1], KEYS[2], KEYS[3]
+local now_ms = ARGV[1]
+local limit = 9007199254740992
+local out = {0}
+for i = 2, #ARGV, 3 do
+  local field, member, delta = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if redis.call('HEXISTS', quarantine, field) == 1 then
+    local sum = tonumber(redis.call('ZSCORE', pending, member) or '0') + tonumber(delta)
+    if sum >= limit or sum <= -limit then
+      out[#out + 1] = field
+    else
+      redis.call('HDEL', quarantine, field)
+      if tonumber(redis.call('ZINCRBY', pending, delta, member)) == 0 then
+        redis.call('ZREM', pending, member)
+      end
+      out[1] = out[1] + 1
+    end
+  end
+end
+if out[1] > 0 then redis.call('SET', since, now_ms, 'NX') end
+return out
+"""
+
 #: A push delivered later than this after it was sent is refused (a late TCP delivery
 #: after the writer gave up and wrote to the DB instead).
 PUSH_MAX_AGE_MS = 30_000
@@ -145,6 +231,8 @@ PUSH_MAX_AGE_MS = 30_000
 PUSH_MARKER_TTL_MS = 180_000
 #: Scores are doubles: integers are exact below this magnitude (the script's ``limit``).
 SCORE_LIMIT = 2**53
+#: Longest error text kept with a quarantined delta.
+QUARANTINE_ERROR_LIMIT = 300
 
 
 @dataclass(frozen=True)
@@ -181,6 +269,27 @@ class Snapshot:
     markers: dict[tuple[int, str], str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Quarantined:
+    """A delta that failed to apply on its own, held in its shard's quarantine hash.
+
+    ``field`` is its key in the hash, ``"<batch id>|<member>"``: the batch
+    it failed in makes it unique, and quarantining it again after a crash
+    writes the same field.
+    """
+
+    shard: int
+    field: str
+    member: str
+    delta: int
+    error: str
+    at: float
+
+    @property
+    def counter(self) -> str:
+        return self.member.partition(":")[0]
+
+
 def shard_of(member: str, shards: int) -> int:
     return zlib.crc32(member.encode()) % shards
 
@@ -206,12 +315,16 @@ class Buffer:
         self.prefix = prefix
         self.shards = shards
         self._push = client.register_script(PUSH_SCRIPT)
-        self._move = client.register_script(MOVE_SCRIPT)
-        self._ack = client.register_script(ACK_SCRIPT)
         self._read = client.register_script(READ_SCRIPT)
-        self._fence = client.register_script(FENCE_SCRIPT)
+        self._requeue = client.register_script(REQUEUE_SCRIPT)
+        # The drain path: these run even when Redis is at maxmemory (see scripts.py).
+        self._move = DrainScript(client, MOVE_SCRIPT)
+        self._ack = DrainScript(client, ACK_SCRIPT)
+        self._fence = DrainScript(client, FENCE_SCRIPT)
+        self._narrow = DrainScript(client, NARROW_SCRIPT)
+        self._quarantine = DrainScript(client, QUARANTINE_SCRIPT)
 
-    def _run(self, script: Script, calls: list[tuple[list, list]]) -> list:
+    def _run(self, script: Script | DrainScript, calls: list[tuple[list, list]]) -> list:
         """Run ``script`` once per (keys, args) in one round trip.
 
         A single call goes straight to EVALSHA; several go in a pipeline of
@@ -220,6 +333,8 @@ class Buffer:
         here is safe to repeat, so after NOSCRIPT (a restarted Redis) the
         scripts are loaded and the calls sent again.
         """
+        if isinstance(script, DrainScript):
+            script = script.resolve()
         for attempt in (1, 2):
             try:
                 if len(calls) == 1:
@@ -325,15 +440,17 @@ class Buffer:
     def pending_count(self, shard: int) -> int:
         return int(self.client.zcard(self.key(shard, "pending")))
 
-    def move(self, shard: int, batch_id: str, limit: int) -> Batch | None:
+    def move(self, shard: int, batch_id: str, limit: int, only: Iterable[str] = ()) -> Batch | None:
         """Move up to ``limit`` pending members into a new in-flight batch.
 
-        If a batch is already in flight it is returned instead (``recovered``);
-        None means the shard had nothing pending.
+        With ``only``, just those members that are pending are moved (members
+        a narrowed batch sent back, see :meth:`narrow`). If a batch is already
+        in flight it is returned instead (``recovered``); None means the
+        shard had nothing (of ``only``) pending.
         """
         now_ms = int(time.time() * 1000)
         keys = [*self._shard_keys(shard), self.key(shard, "seq")]
-        reply = self._move(keys=keys, args=[batch_id, limit, now_ms])
+        reply = self._move(keys=keys, args=[batch_id, limit, now_ms, *only])
         status = _text(reply[0])
         if status == "empty":
             return None
@@ -358,6 +475,135 @@ class Buffer:
         if reply not in (0, 1):
             raise UnexpectedScriptReply("ACK_SCRIPT", reply)
         return reply == 1
+
+    def narrow(self, batch: Batch, new_id: str, returned: Iterable[str]) -> Batch | None:
+        """Send ``returned`` members of in-flight ``batch`` back to pending; keep the rest
+        in flight as batch ``new_id`` (same sequence number).
+
+        A member whose pending sum would leave the exact range of a score stays
+        in flight. Returns the narrowed batch, or None if ``batch`` is no
+        longer the batch in flight.
+        """
+        shard = batch.shard
+        keys = [
+            self.key(shard, "pending"),
+            self.key(shard, "inflight"),
+            self.key(shard, "batch"),
+            self.key(shard, "gen"),
+            self.key(shard, "since"),
+        ]
+        now_ms = int(time.time() * 1000)
+        reply = self._narrow(keys=keys, args=[batch.batch_id, new_id, now_ms, *returned])
+        if reply == [0]:
+            return None
+        if not (isinstance(reply, list) and len(reply) == 2 and reply[0] == 1):
+            raise UnexpectedScriptReply("NARROW_SCRIPT", reply)
+        flat = reply[1]
+        items = {_text(flat[i]): _int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        if not set(items) <= set(batch.items):
+            raise UnexpectedScriptReply("NARROW_SCRIPT", reply)
+        return Batch(
+            shard=shard,
+            batch_id=new_id,
+            moved_at_ms=batch.moved_at_ms,
+            items=items,
+            recovered=batch.recovered,
+            seq=batch.seq,
+            prefix=batch.prefix,
+        )
+
+    def quarantine(self, batch: Batch, error: str) -> bool:
+        """Move every member of in-flight ``batch`` into the shard's quarantine with
+        ``error``, and forget the batch. False if it is no longer the batch in flight."""
+        shard = batch.shard
+        keys = [
+            self.key(shard, "inflight"),
+            self.key(shard, "batch"),
+            self.key(shard, "gen"),
+            self.key(shard, "quarantine"),
+        ]
+        error = error[:QUARANTINE_ERROR_LIMIT]
+        at = round(time.time(), 3)
+        args: list[str] = [batch.batch_id]
+        for member, delta in sorted(batch.items.items()):
+            value = {"member": member, "delta": delta, "error": error, "at": at}
+            args.extend((f"{batch.batch_id}|{member}", json.dumps(value)))
+        reply = self._quarantine(keys=keys, args=args)
+        if reply not in (0, 1):
+            raise UnexpectedScriptReply("QUARANTINE_SCRIPT", reply)
+        return reply == 1
+
+    def quarantined(self, shards: Iterable[int] | None = None) -> list[Quarantined]:
+        """Every quarantined delta of ``shards`` (default: all), oldest first."""
+        shards = list(range(self.shards) if shards is None else shards)
+        pipe = self.client.pipeline(transaction=False)
+        for shard in shards:
+            pipe.hgetall(self.key(shard, "quarantine"))
+        entries = []
+        for shard, raw in zip(shards, pipe.execute(), strict=True):
+            for field_, value in raw.items():
+                data = json.loads(value)
+                entries.append(
+                    Quarantined(
+                        shard=shard,
+                        field=_text(field_),
+                        member=str(data["member"]),
+                        delta=int(data["delta"]),
+                        error=str(data.get("error", "")),
+                        at=float(data.get("at", 0)),
+                    )
+                )
+        entries.sort(key=lambda e: (e.at, e.field))
+        return entries
+
+    def requeue(self, entries: Iterable[Quarantined]) -> tuple[int, list[Quarantined]]:
+        """Put quarantined deltas back into pending, each at most once (atomic per shard).
+
+        Returns how many were put back, and the entries left in quarantine
+        because their pending sum would leave the exact range of a score.
+        Entries no longer in quarantine (already requeued or discarded) are skipped.
+        """
+        by_shard: dict[int, list[Quarantined]] = defaultdict(list)
+        for entry in entries:
+            by_shard[entry.shard].append(entry)
+        if not by_shard:
+            return 0, []
+        now_ms = int(time.time() * 1000)
+        calls = [
+            (
+                [
+                    self.key(shard, "pending"),
+                    self.key(shard, "quarantine"),
+                    self.key(shard, "since"),
+                ],
+                [now_ms, *(x for e in group for x in (e.field, e.member, e.delta))],
+            )
+            for shard, group in by_shard.items()
+        ]
+        replies = self._run(self._requeue, calls)
+        requeued, refused = 0, []
+        for group, reply in zip(by_shard.values(), replies, strict=True):
+            fields = {e.field: e for e in group}
+            if not (isinstance(reply, list) and reply and isinstance(reply[0], int)):
+                raise UnexpectedScriptReply("REQUEUE_SCRIPT", reply)
+            names = [_text(f) for f in reply[1:]]
+            if not set(names) <= set(fields):
+                raise UnexpectedScriptReply("REQUEUE_SCRIPT", reply)
+            requeued += reply[0]
+            refused.extend(fields[name] for name in names)
+        return requeued, refused
+
+    def discard(self, entries: Iterable[Quarantined]) -> int:
+        """Delete quarantined deltas for good; returns how many were still there."""
+        by_shard: dict[int, list[str]] = defaultdict(list)
+        for entry in entries:
+            by_shard[entry.shard].append(entry.field)
+        if not by_shard:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for shard, fields in by_shard.items():
+            pipe.hdel(self.key(shard, "quarantine"), *fields)
+        return sum(int(n) for n in pipe.execute())
 
     def inflight_ids(self) -> dict[int, str]:
         """Batch id in flight per shard, for shards that have one."""

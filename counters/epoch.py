@@ -37,6 +37,7 @@ from django.utils import timezone
 from .buffer import Batch, Buffer
 from .exceptions import UnexpectedScriptReply
 from .models import BufferEpoch
+from .scripts import DrainScript
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,14 @@ if tonumber(redis.call('GET', seq) or '0') < floor then
   return 1
 end
 return 0
+"""
+
+# Set epoch token KEYS[1] to ARGV[1] unless it has one; returns the token it holds.
+ENSURE_TOKEN_SCRIPT = """
+local epoch = KEYS[1]
+local token = ARGV[1]
+redis.call('SET', epoch, token, 'NX')
+return redis.call('GET', epoch)
 """
 
 
@@ -105,9 +114,8 @@ def check_epoch(buffer: Buffer, shard: int, using: str = "default") -> EpochChec
 
 def _ensure_token(buffer: Buffer, shard: int) -> str:
     """The shard's epoch token, set to a new random one if Redis has none."""
-    key = buffer.key(shard, "epoch")
-    buffer.client.set(key, secrets.token_hex(16), nx=True)
-    return _text(buffer.client.get(key)) or ""
+    script = DrainScript(buffer.client, ENSURE_TOKEN_SCRIPT)
+    return _text(script(keys=[buffer.key(shard, "epoch")], args=[secrets.token_hex(16)])) or ""
 
 
 def record_loss(buffer: Buffer, shard: int, using: str, redis_seq: int) -> None:
@@ -136,7 +144,7 @@ def record_loss(buffer: Buffer, shard: int, using: str, redis_seq: int) -> None:
 
 def raise_seq(buffer: Buffer, shard: int, floor: int) -> bool:
     """Raise the Redis sequence of ``shard`` to ``floor`` if it is lower."""
-    script = buffer.client.register_script(SEQ_FLOOR_SCRIPT)
+    script = DrainScript(buffer.client, SEQ_FLOOR_SCRIPT)
     reply = script(keys=[buffer.key(shard, "seq")], args=[floor])
     if reply not in (0, 1):
         raise UnexpectedScriptReply("SEQ_FLOOR_SCRIPT", reply)

@@ -6,6 +6,21 @@ at, the batch stays in the shard's in-flight set until the next flush, which
 applies it if its id is not in the ledger and only acknowledges it if it is.
 Two flushers racing on one batch (a lease that expired mid-apply) collide on
 the ledger's primary key, so one of them applies it.
+
+Poison isolation: a batch that fails to apply for any reason but the state of
+the database (:data:`SYSTEMIC`: a lost connection, a deadlock, a lock
+timeout, a read-only database; the batch stays in flight and the shard fails
+this run) is narrowed in Redis. Its second half goes back to pending and its
+first half stays in flight as a batch of its own (``<id>/1``, ``<id>/2``,
+...), applied and acknowledged like any other. A failing half is narrowed
+again, and the halves sent back are moved next by themselves: a binary
+search, so 1000 members with one poison delta cost 11 failed transactions.
+A member that fails alone is moved to the shard's quarantine with its error
+(not applied, not lost) and the rest of the shard flows on. Every step is one
+atomic script that checks the batch id in flight, so the in-flight batch is
+always exactly what its ledger id covers: a crash at any point leaves a batch
+that the next flush applies or only acknowledges, and reads never count a
+delta twice.
 """
 
 from __future__ import annotations
@@ -17,8 +32,18 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
-from django.db import DatabaseError, IntegrityError, connections, transaction
+from django.db import (
+    IntegrityError,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connections,
+    transaction,
+)
+from django.db.transaction import TransactionManagementError
 from django.utils import timezone
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .apply import apply_deltas
 from .buffer import Batch, Buffer
@@ -42,6 +67,9 @@ class FlushResult:
     failed_shards: dict[int, str] = field(default_factory=dict)
     compensated: int = 0
     repaired: int = 0
+    quarantined: int = 0
+    requeued: int = 0
+    discarded: int = 0
     incomplete: bool = False
     rebuild_needed_since: str | None = None
     seconds: float = 0.0
@@ -64,6 +92,12 @@ class FlushResult:
             extras.append(f"{self.compensated} late pushes taken back")
         if self.failed_shards:
             extras.append(f"{len(self.failed_shards)} shards failed")
+        if self.quarantined:
+            extras.append(f"{self.quarantined} deltas quarantined")
+        if self.requeued:
+            extras.append(f"{self.requeued} quarantined deltas retried")
+        if self.discarded:
+            extras.append(f"{self.discarded} quarantined deltas discarded")
         if self.repaired:
             extras.append(f"{self.repaired} queued keys repaired")
         if self.lost_shards:
@@ -78,8 +112,42 @@ class FlushResult:
         return asdict(self)
 
 
+#: Longest error text logged or recorded for a failed shard or batch.
+ERROR_LIMIT = 300
+
+
 def new_batch_id() -> str:
     return uuid.uuid4().hex
+
+
+def narrowed_id(batch_id: str) -> str:
+    """Id of the batch that ``batch_id`` is narrowed to: ``<root>/<depth + 1>``.
+
+    Short whatever the depth (a batch of 2**n members narrows n times at most).
+    """
+    root, _, depth = batch_id.partition("/")
+    return f"{root}/{int(depth) + 1 if depth.isdigit() else 1}"
+
+
+def error_line(exc: BaseException) -> str:
+    """``<type>: <first line of the message>``, capped: for logs, status and quarantine."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text[:ERROR_LIMIT]
+
+
+#: Errors of the database rather than of a batch's deltas: the batch stays in flight as
+#: it is and the shard fails this run (the next flush tries again).
+SYSTEMIC: tuple[type[Exception], ...] = (
+    OperationalError,  # connection lost, deadlock, lock or statement timeout
+    InterfaceError,  # connection closed
+    InternalError,  # read-only transaction (a failover to a replica), aborted transaction
+    TransactionManagementError,
+)
+
+
+class BatchLost(Exception):
+    """The batch in flight is no longer the one this flusher holds (its lease expired)."""
 
 
 def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
@@ -136,6 +204,10 @@ def flush_shard(
         applied_seq = epoch.seq  # only this lease holder raises it
         target = buffer.pending_count(shard)
         moved = 0
+        narrowed: Batch | None = None
+        # Members narrowed batches sent back to pending: each group is moved by itself
+        # next, so that a poison delta is found in halvings, not mixed with new deltas.
+        returned: list[list[str]] = []
         while True:
             if time.monotonic() >= deadline:
                 result.incomplete = True
@@ -143,10 +215,19 @@ def flush_shard(
             if lease.remaining() < lease_timeout / 2 and not lease.extend():
                 logger.warning("lost the lease of shard %s; stopping this shard", shard)
                 return
-            batch = buffer.move(shard, new_batch_id(), batch_size)
-            if batch is None:
-                return
-            if batch.recovered:
+            if narrowed is not None:
+                batch = narrowed
+            elif returned:
+                batch = buffer.move(shard, new_batch_id(), batch_size, only=returned.pop())
+                if batch is None:
+                    continue
+            else:
+                batch = buffer.move(shard, new_batch_id(), batch_size)
+                if batch is None:
+                    return
+            if narrowed is not None:
+                narrowed = None
+            elif batch.recovered:
                 result.recovered += 1
                 logger.info("recovering in-flight batch %s of shard %s", batch.batch_id, shard)
             elif batch.seq and batch.seq <= applied_seq and shard not in result.lost_shards:
@@ -154,13 +235,75 @@ def flush_shard(
                 record_loss(buffer, shard, using, batch.seq)
                 result.lost_shards.append(shard)
             if batch.items:
-                apply_batch(batch, using, result)
+                try:
+                    apply_batch(batch, using, result)
+                except SYSTEMIC:
+                    raise  # the database, not the deltas: the batch stays in flight as it is
+                except Exception as exc:
+                    if not connections[using].is_usable():
+                        raise
+                    try:
+                        narrowed = isolate(buffer, batch, exc, result)
+                    except BatchLost:
+                        logger.warning(
+                            "batch %s of shard %s is no longer in flight; stopping this shard",
+                            batch.batch_id,
+                            shard,
+                        )
+                        return
+                    if narrowed is not None:
+                        returned.append(sorted(set(batch.items) - set(narrowed.items)))
+                        if batch.recovered:
+                            # Members it sent back were not counted when this run began.
+                            target += len(batch.items) - len(narrowed.items)
+                    elif not batch.recovered:
+                        moved += len(batch.items)  # quarantined: gone from Redis
+                        if moved >= target and not returned:
+                            return
+                    continue
                 applied_seq = max(applied_seq, batch.seq)
             buffer.ack(shard, batch.batch_id)
             if not batch.recovered:
                 moved += len(batch.items)
-                if moved >= target:
+                if moved >= target and not returned:
                     return
+
+
+def isolate(buffer: Buffer, batch: Batch, exc: Exception, result: FlushResult) -> Batch | None:
+    """``batch`` failed with ``exc``: narrow it to its first half, or quarantine it.
+
+    Returns the narrowed batch (now in flight) to apply next, or None when
+    the batch was quarantined (one member, or none of the others could go
+    back to pending). Raises :class:`BatchLost` if ``batch`` is no longer in flight.
+    """
+    error = error_line(exc)
+    if len(batch.items) > 1:
+        members = sorted(batch.items)
+        smaller = buffer.narrow(batch, narrowed_id(batch.batch_id), members[len(members) // 2 :])
+        if smaller is None:
+            raise BatchLost(batch.batch_id)
+        if len(smaller.items) < len(batch.items):
+            logger.warning(
+                "batch %s of shard %s failed (%s); applying its %s members in halves",
+                batch.batch_id,
+                batch.shard,
+                error,
+                len(batch.items),
+            )
+            return smaller
+        batch = smaller  # nothing could go back to pending: quarantine them all
+    if not buffer.quarantine(batch, error):
+        raise BatchLost(batch.batch_id)
+    result.quarantined += len(batch.items)
+    logger.error(
+        "quarantined %s deltas of shard %s that cannot be applied (%s): %s; "
+        "see counters_status, then counters_flush --retry-quarantined or --discard-quarantined",
+        len(batch.items),
+        batch.shard,
+        error,
+        dict(list(sorted(batch.items.items()))[:5]),
+    )
+    return None
 
 
 def prune_ledger(buffer: Buffer, using: str, retention: int) -> int:
@@ -202,14 +345,22 @@ def flush(
                 deadline=deadline,
                 result=result,
             )
-        except DatabaseError as exc:
+        except (RedisConnectionError, RedisTimeoutError):
+            raise  # Redis is unreachable: no other shard can do better
+        except Exception as exc:
             if not connections[using].is_usable():
                 raise  # the database is gone: no other shard can do better
-            # One shard's failure (a poison batch, a deadlock) must not hold up
-            # the others; its batch stays in flight for the next flush.
-            logger.exception("flush of shard %s failed; its batch stays in flight", shard)
+            # One shard's failure (a deadlock, a lock timeout, a Redis error reply)
+            # must not hold up the others; its batch stays in flight for the next flush.
+            logger.error(
+                "flush of shard %s failed (%s); its batch stays in flight",
+                shard,
+                error_line(exc),
+                exc_info=logger.isEnabledFor(logging.DEBUG),  # the traceback only when debugging
+            )
             lines = str(exc).strip().splitlines()
-            result.failed_shards[shard] = lines[0] if lines else type(exc).__name__
+            line = lines[0] if lines else type(exc).__name__
+            result.failed_shards[shard] = line[:ERROR_LIMIT]
     if retention is not None:
         prune_ledger(buffer, using, retention)
     result.seconds = time.monotonic() - started

@@ -1,8 +1,9 @@
 """A Redis lease: one holder at a time, proven by a random token.
 
-Acquire is ``SET key token NX PX ttl``; extend and release are Lua scripts that
-act only if the key still holds our token, so a holder whose lease expired can
-never extend or delete the lease of its successor.
+Acquire is ``SET key token NX PX ttl``; extend and release act only if the key
+still holds our token, so a holder whose lease expired can never extend or
+delete the lease of its successor. All three are Lua scripts flagged to run
+when Redis is at maxmemory: a full Redis can only be drained under a lease.
 """
 
 from __future__ import annotations
@@ -14,19 +15,32 @@ from types import TracebackType
 from redis import Redis
 
 from .exceptions import UnexpectedScriptReply
+from .scripts import DrainScript
+
+# Take lease KEYS[1] with token ARGV[1] for ARGV[2] ms unless it is held; 1 if taken, else 0.
+ACQUIRE_SCRIPT = """
+local lease = KEYS[1]
+local token, ttl = ARGV[1], ARGV[2]
+if redis.call('SET', lease, token, 'NX', 'PX', ttl) then return 1 end
+return 0
+"""
 
 # Push the expiry of lease KEYS[1] to ARGV[2] ms from now if it still holds token ARGV[1].
 EXTEND_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local lease = KEYS[1]
+local token, ttl = ARGV[1], ARGV[2]
+if redis.call('GET', lease) == token then
+  return redis.call('PEXPIRE', lease, ttl)
 end
 return 0
 """
 
 # Delete lease KEYS[1] if it still holds token ARGV[1].
 RELEASE_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+local lease = KEYS[1]
+local token = ARGV[1]
+if redis.call('GET', lease) == token then
+  return redis.call('DEL', lease)
 end
 return 0
 """
@@ -42,15 +56,19 @@ class Lease:
         self.token = secrets.token_hex(16)
         self.held = False
         self.expires_at = 0.0
-        self._extend = client.register_script(EXTEND_SCRIPT)
-        self._release = client.register_script(RELEASE_SCRIPT)
+        self._acquire = DrainScript(client, ACQUIRE_SCRIPT)
+        self._extend = DrainScript(client, EXTEND_SCRIPT)
+        self._release = DrainScript(client, RELEASE_SCRIPT)
 
     def acquire(self) -> bool:
         # SET NX fails on our own key: renew it instead of forgetting that we hold it.
         if self.held and self.extend():
             return True
         started = time.monotonic()
-        self.held = bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
+        reply = self._acquire(keys=[self.key], args=[self.token, self.ttl_ms])
+        if reply not in (0, 1):
+            raise UnexpectedScriptReply("ACQUIRE_SCRIPT", reply)
+        self.held = reply == 1
         if self.held:
             self.expires_at = started + self.ttl_ms / 1000
         return self.held

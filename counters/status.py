@@ -1,4 +1,5 @@
-"""What the pipeline is doing now: per-shard backlog, batches in flight, leases, epochs."""
+"""What the pipeline is doing now: per-shard backlog, batches in flight, leases, epochs,
+failed shards and quarantined deltas. With Redis unreachable, the DB side alone."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from django.db.models import Count, Max, Sum
 
+from . import quarantine
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
 from .models import BufferEpoch, FlushBatch
@@ -127,8 +129,10 @@ def gather(buffer: Buffer, using: str = "default") -> dict[str, Any]:
     """Everything ``counters_status`` shows, as plain data."""
     now_ms = int(time.time() * 1000)
     shards = shard_status(buffer, now_ms)
+    quarantined = buffer.quarantined()
     return {
         "prefix": buffer.prefix,
+        "redis": {"reachable": True, "error": None},
         "shards": shards,
         "totals": {
             "pending_keys": sum(s["pending_keys"] for s in shards),
@@ -139,4 +143,24 @@ def gather(buffer: Buffer, using: str = "default") -> dict[str, Any]:
         "ledger": ledger_status(using),
         "epoch": epoch_status(buffer, shards, using),
         "repair_queue": int(buffer.client.scard(queue_key(buffer))),
+        "quarantine": {
+            "deltas": len(quarantined),
+            "counters": quarantine.by_counter(quarantined),
+        },
+    }
+
+
+def gather_without_redis(buffer: Buffer, error: str, using: str = "default") -> dict[str, Any]:
+    """What the DB alone tells when Redis cannot be reached: ledger, direct writes, epochs.
+
+    Every write goes to the DB directly while Redis is down, so the fallback
+    writes show what the write path is doing; the epochs show a data loss
+    seen before.
+    """
+    epoch = epoch_status(buffer, [], using)
+    return {
+        "prefix": buffer.prefix,
+        "redis": {"reachable": False, "error": error},
+        "ledger": ledger_status(using),
+        "epoch": epoch,
     }

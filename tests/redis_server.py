@@ -68,6 +68,48 @@ class RedisServer:
         client.close()
         return self
 
+    def client(self) -> redis.Redis:
+        """A plain client of this server (the caller closes it)."""
+        return redis.Redis(port=self.port)
+
+    def limit_memory(self, maxmemory: int, policy: str = "noeviction") -> None:
+        """``CONFIG SET maxmemory`` (bytes) and ``maxmemory-policy``: 0 lifts the limit."""
+        client = self.client()
+        try:
+            client.config_set("maxmemory-policy", policy)
+            client.config_set("maxmemory", str(maxmemory))
+        finally:
+            client.close()
+
+    def fill(self, headroom: int = 256 * 1024, chunk: int = 16 * 1024) -> int:
+        """Limit memory to what is used now plus ``headroom`` (``noeviction``), then fill
+        it with filler strings until Redis refuses a write; returns how many it took.
+
+        The limit ends a few chunks below what Redis then uses, so that client
+        buffers freed meanwhile (tens of KB) do not make room again.
+        """
+        self.limit_memory(self.used_memory() + headroom)
+        client = self.client()
+        try:
+            for i in range(10 * headroom // chunk):
+                try:
+                    client.set(f"filler:{i}", "x" * chunk)
+                except redis.exceptions.OutOfMemoryError:
+                    break
+            else:
+                raise AssertionError("Redis never reached maxmemory")
+        finally:
+            client.close()
+        self.limit_memory(self.used_memory() - 4 * chunk)
+        return i
+
+    def used_memory(self) -> int:
+        client = self.client()
+        try:
+            return int(client.info("memory")["used_memory"])
+        finally:
+            client.close()
+
     def snapshot(self, path: Path) -> Path:
         """``SAVE`` an RDB snapshot now and keep a copy of it at ``path``."""
         if self.data_dir is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -205,3 +206,12 @@ def test_beat_and_worker_keep_stored_counts_exact(celery_procs, make_user):
     batches = FlushBatch.objects.all()
     assert set(batches.values_list("kind", flat=True)) == {FlushBatch.Kind.FLUSH}
     assert set(batches.values_list("batch_id", flat=True)) - first_batches
+
+    # The worker logs one line per run that did something, from the task itself;
+    # Celery's own "received" and "succeeded" lines of each run stay at DEBUG.
+    log = (celery_procs.logdir / "worker.log").read_text()
+    assert "Task counters.flush[" not in log
+    lines = re.findall(r" INFO counters\.tasks (.*)", log)
+    assert lines, "no run with work was logged"
+    idle = re.compile(r"flushed 0 batches, 0 keys, 0 deltas in \S+")
+    assert [line for line in lines if idle.fullmatch(line)] == []

@@ -159,8 +159,7 @@ def test_periodic_task_flushes_every_database(users, all_databases):
     alice, bob = users
     notify("default", alice, 1)
     notify("other", bob, 2)
-    reply = flush_counters()
-    assert {alias: data["keys"] for alias, data in reply.items()} == {"default": 1, "other": 1}
+    assert flush_counters() is None  # nothing for the worker to log or store
     assert (stored("default", alice), stored("other", bob)) == (1, 2)
 
 

@@ -7,7 +7,7 @@ import logging
 from unittest import mock
 
 import pytest
-from django.db import DatabaseError
+from django.db import OperationalError
 
 import counters
 from counters import api, flusher
@@ -92,7 +92,7 @@ def test_status_shows_backlog_in_flight_batches_and_leases(four_shards, own_redi
     assert any(s["lag_seconds"] > 0 or s["pending_keys"] for s in status["shards"])
 
     with (
-        mock.patch.object(flusher, "apply_deltas", side_effect=DatabaseError("boom")),
+        mock.patch.object(flusher, "apply_deltas", side_effect=OperationalError("boom")),
         pytest.raises(FlushFailed),
     ):
         counters.flush()
@@ -146,5 +146,5 @@ def test_status_command_text_and_json(make_user):
     code, _, err = run_manage(
         "counters_status", env=project_env(COUNTERS_REDIS_URL="redis://127.0.0.1:1/0")
     )
-    assert code == 1
-    assert err.strip().startswith("CommandError: Redis unreachable")
+    assert code == 2  # Redis unreachable: the DB side is shown
+    assert err.strip().startswith("Redis unreachable")

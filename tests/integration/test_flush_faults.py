@@ -6,12 +6,13 @@ import threading
 from unittest import mock
 
 import pytest
-from django.db import DatabaseError, connection
+from django.db import OperationalError, connection
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 import counters
 from counters import api, flusher
 from counters.buffer import Buffer
-from counters.exceptions import FlushFailed
+from counters.exceptions import BufferUnavailable, FlushFailed
 from counters.flusher import FlushResult, apply_batch
 from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
@@ -37,7 +38,7 @@ def inflight_ids() -> dict[int, str]:
 def test_flush_that_dies_after_the_move_is_recovered_by_the_next(users_with_notifications):
     users = users_with_notifications
     with (
-        mock.patch.object(flusher, "apply_deltas", side_effect=DatabaseError("boom")),
+        mock.patch.object(flusher, "apply_deltas", side_effect=OperationalError("boom")),
         pytest.raises(FlushFailed),
     ):
         counters.flush()
@@ -54,8 +55,8 @@ def test_flush_that_dies_after_the_move_is_recovered_by_the_next(users_with_noti
 def test_flush_that_dies_after_commit_before_ack_is_not_applied_twice(users_with_notifications):
     users = users_with_notifications
     with (
-        mock.patch.object(Buffer, "ack", side_effect=ConnectionError("killed before ack")),
-        pytest.raises(ConnectionError),
+        mock.patch.object(Buffer, "ack", side_effect=RedisConnectionError("killed before ack")),
+        pytest.raises(BufferUnavailable),
     ):
         counters.flush()
     [batch_id] = inflight_ids().values()
@@ -81,7 +82,7 @@ def test_flush_that_dies_mid_transaction_applies_nothing_then_everything(
 
     def half_then_fail(spec, keyed, using):
         real(spec, dict(list(keyed.items())[:2]), using)
-        raise DatabaseError("connection lost mid-transaction")
+        raise OperationalError("connection lost mid-transaction")
 
     with (
         mock.patch.object(apply_module, "apply_spec", side_effect=half_then_fail),
@@ -165,7 +166,7 @@ def test_a_failing_shard_does_not_hold_up_the_others(make_user):
 
     def fail_one_shard(deltas, using):
         if any(buffer.shard_of(member) == poisoned for member in deltas):
-            raise DatabaseError("value out of range")
+            raise OperationalError("canceling statement due to lock timeout")
         return real(deltas, using)
 
     with (
@@ -173,7 +174,7 @@ def test_a_failing_shard_does_not_hold_up_the_others(make_user):
         pytest.raises(FlushFailed) as info,
     ):
         counters.flush()
-    assert info.value.errors == {poisoned: "value out of range"}
+    assert info.value.errors == {poisoned: "canceling statement due to lock timeout"}
     healthy = [u for u in users if buffer.shard_of(f"unread:{u.pk}") != poisoned]
     assert info.value.result.keys == len(healthy)
     assert [stored(u) for u in healthy] == [1] * len(healthy)

@@ -7,7 +7,7 @@ import logging
 from unittest import mock
 
 import pytest
-from django.db import DatabaseError
+from django.db import OperationalError
 
 import counters
 from counters import api, flusher
@@ -122,7 +122,7 @@ def test_the_applied_sequence_commits_with_its_batch_only(one_shard, make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="v")
     with (
-        mock.patch.object(flusher, "apply_deltas", side_effect=DatabaseError("boom")),
+        mock.patch.object(flusher, "apply_deltas", side_effect=OperationalError("boom")),
         pytest.raises(FlushFailed),
     ):
         counters.flush()

@@ -1,43 +1,64 @@
-"""Show the state of the counter pipeline: backlog, lag, batches in flight, leases, epochs."""
+"""Show the state of the counter pipeline: backlog, lag, batches in flight, leases, epochs,
+failed shards and quarantined deltas.
+
+Exit status: 0 with the status; 2 (``REDIS_UNREACHABLE``) when Redis cannot be
+reached: what the DB tells (ledger, direct writes, epochs, rebuild needed) is
+still printed, with a line saying Redis is down; 1 with one readable line when
+the database fails.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 
-from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError
 from redis import RedisError
 
 from counters import api, conf
-from counters.status import gather
+from counters.status import gather, gather_without_redis
+
+from ._failures import OneLineFailures, failure, first_line
+
+REDIS_UNREACHABLE = 2
 
 
 def _fmt(value, suffix: str = "") -> str:
     return "-" if value is None else f"{value}{suffix}"
 
 
-class Command(BaseCommand):
-    help = "Show pending keys, lag, in-flight batches, leases, last flush, fallbacks and epochs."
+class Command(OneLineFailures):
+    help = (
+        "Show pending keys, lag, in-flight batches, leases, last flush, failed shards, "
+        "quarantined deltas, fallbacks and epochs."
+    )
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--json", action="store_true", help="Print the status as JSON.")
         parser.add_argument("--database", default="default", help="Database alias.")
 
     def handle(self, *args, **options) -> None:
+        using = options["database"]
+        buffer = api.get_buffer(using)
         try:
-            status = gather(api.get_buffer(options["database"]), options["database"])
-        except RedisError as exc:
-            raise CommandError(f"Redis unreachable at {conf.redis_url()}: {exc}") from exc
-        except DatabaseError as exc:
-            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CommandError(f"database error: {line}") from exc
+            try:
+                status = gather(buffer, using)
+            except RedisError as exc:
+                error = f"Redis unreachable at {conf.redis_url()}: {first_line(exc)}"
+                status = gather_without_redis(buffer, error[:500], using)
+        except Exception as exc:
+            raise failure("counters_status", exc) from exc
         if options["json"]:
             self.stdout.write(json.dumps(status, indent=2))
-            return
-        self.stdout.write(self.render(status))
+        elif status["redis"]["reachable"]:
+            self.stdout.write(self.render(status))
+        else:
+            self.stdout.write(self.render_without_redis(status))
+        if not status["redis"]["reachable"]:
+            self.stderr.write(f"{status['redis']['error']}; showing what the database tells")
+            sys.exit(REDIS_UNREACHABLE)
 
     def render(self, status: dict) -> str:
-        epoch, ledger, totals = status["epoch"], status["ledger"], status["totals"]
+        epoch, totals = status["epoch"], status["totals"]
         lines = [
             f"prefix {status['prefix']!r}: {totals['pending_keys']} pending keys, "
             f"{totals['inflight_batches']} batches in flight, "
@@ -46,12 +67,7 @@ class Command(BaseCommand):
             f"last {_fmt(epoch['last_loss_at'])}); "
             f"keys queued for repair: {status['repair_queue']}",
         ]
-        if epoch["rebuild_needed"]:
-            since = epoch["rebuild_needed_since"] or "now (no flush has seen it yet)"
-            lines.append(
-                f"REBUILD NEEDED since {since}: Redis lost buffered deltas, so some counts are "
-                f"wrong until a full rebuild completes: run `{epoch['rebuild_command']}`"
-            )
+        lines += self.rebuild_lines(epoch)
         last = status["last_flush"]
         if last is None:
             lines.append("last flush: never")
@@ -61,11 +77,12 @@ class Command(BaseCommand):
                 f"{last['keys']} keys, {last['deltas']} deltas in {last['seconds']:.3f}s"
                 + (" (time budget reached)" if last["incomplete"] else "")
             )
-        lines.append(
-            f"ledger: {ledger['batches_in_ledger']} batches, last {_fmt(ledger['last_batch_at'])};"
-            f" fallback DB writes {ledger['fallback_writes']}"
-            f" (last {_fmt(ledger['last_fallback_at'])}); dropped keys {ledger['dropped_keys']}"
-        )
+            for shard, error in sorted(
+                (last.get("failed_shards") or {}).items(), key=lambda item: int(item[0])
+            ):
+                lines.append(f"FAILED shard {shard} in the last flush: {error}")
+        lines += self.quarantine_lines(status["quarantine"])
+        lines.append(self.ledger_line(status["ledger"]))
         lines.append("shard  pending  lag(s)  in-flight batch (keys, age s)        lease (expires)")
         for s in status["shards"]:
             inflight = (
@@ -79,3 +96,49 @@ class Command(BaseCommand):
                 f"{inflight:<36}  {lease}"
             )
         return "\n".join(lines)
+
+    def render_without_redis(self, status: dict) -> str:
+        epoch = status["epoch"]
+        lines = [
+            f"prefix {status['prefix']!r}: REDIS DOWN ({status['redis']['error']}); "
+            "showing what the database tells. Writes go to the DB directly meanwhile.",
+            f"epoch: {epoch['state']} (losses {epoch['losses']}, "
+            f"last {_fmt(epoch['last_loss_at'])})",
+        ]
+        lines += self.rebuild_lines(epoch)
+        lines.append(self.ledger_line(status["ledger"]))
+        lines.append(f"unsettled direct writes: {status['ledger']['unsettled_fallbacks']}")
+        return "\n".join(lines)
+
+    @staticmethod
+    def rebuild_lines(epoch: dict) -> list[str]:
+        if not epoch["rebuild_needed"]:
+            return []
+        since = epoch["rebuild_needed_since"] or "now (no flush has seen it yet)"
+        return [
+            f"REBUILD NEEDED since {since}: Redis lost buffered deltas, so some counts are "
+            f"wrong until a full rebuild completes: run `{epoch['rebuild_command']}`"
+        ]
+
+    @staticmethod
+    def ledger_line(ledger: dict) -> str:
+        return (
+            f"ledger: {ledger['batches_in_ledger']} batches, last {_fmt(ledger['last_batch_at'])};"
+            f" fallback DB writes {ledger['fallback_writes']}"
+            f" (last {_fmt(ledger['last_fallback_at'])}); dropped keys {ledger['dropped_keys']}"
+        )
+
+    @staticmethod
+    def quarantine_lines(quarantine: dict) -> list[str]:
+        if not quarantine["deltas"]:
+            return []
+        lines = [
+            f"QUARANTINED: {quarantine['deltas']} deltas could not be applied and are not "
+            "counted; fix the cause, then run `manage.py counters_flush --retry-quarantined` "
+            "(or --discard-quarantined after a full rebuild)"
+        ]
+        for name, group in quarantine["counters"].items():
+            lines.append(f"  {name}: {group['count']} deltas, sum {group['sum']:+d}")
+            for example in group["examples"]:
+                lines.append(f"    {example['member']} ({example['delta']:+d}): {example['error']}")
+        return lines

@@ -5,7 +5,8 @@ with a truth source is rebuilt, and once it completes, a Redis data loss
 detected before it started no longer marks the counters as needing a rebuild.
 
 Exit status: 0 when nothing was wrong or everything was repaired, 3 when
-``--dry-run`` found drift, 1 on errors (one readable line).
+``--dry-run`` found drift, 1 on errors (one readable line on stderr; the
+traceback goes to the ``counters`` log at DEBUG).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import json
 import sys
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.db import DatabaseError
 
 from counters import api, epoch
 from counters.exceptions import BufferUnavailable, RebuildRunning
+from counters.management.commands._failures import OneLineFailures, failure
 from counters.rebuild import RebuildReport, rebuild
 from notifications.apps import UNREAD_COUNTER
 
@@ -49,7 +51,7 @@ class Progress:
             self.stream.write("\n")
 
 
-class Command(BaseCommand):
+class Command(OneLineFailures):
     help = (
         "Recompute every unread counter from COUNT(*) of unread notifications and repair "
         "the wrong ones through the normal delta path (safe while writes continue)."
@@ -100,8 +102,7 @@ class Command(BaseCommand):
         except BufferUnavailable as exc:
             raise CommandError(f"{exc} (a rebuild needs the buffered deltas)") from exc
         except DatabaseError as exc:
-            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CommandError(f"database error: {line}") from exc
+            raise failure("notification_rebuild_counters", exc) from exc
         finally:
             if progress is not None:
                 progress.close()

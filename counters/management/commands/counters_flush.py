@@ -1,0 +1,119 @@
+"""Flush buffered counter deltas into the DB once (for cron).
+
+Exit status:
+
+- 0: flushed; one summary line per database (one line when there is one
+  database), or the result as JSON.
+- 1: failed (Redis or the database cannot be reached, a shard failed, a bad
+  argument); one readable line on stderr, and with ``--json`` an object
+  with ``"error"`` on stdout (``"redis": "unreachable"`` when Redis is down).
+- 4 (``REBUILD_NEEDED``): Redis lost buffered deltas and no full rebuild has
+  completed since; the summary (or JSON) still goes to stdout, and one line
+  naming the fix to stderr.
+
+``--database`` flushes only that alias; without it, every alias of
+``counters.api.databases()``. ``--retry-quarantined`` first puts the deltas
+the quarantine holds back into the buffer (a delta that fails again is
+quarantined again); ``--discard-quarantined`` drops them for good.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from django.core.management.base import CommandError
+from django.db import connections
+
+import counters
+from counters import api
+from counters.epoch import REBUILD_COMMAND
+from counters.exceptions import FlushFailed
+
+from ._failures import OneLineFailures, describe, failure, redis_unreachable
+
+FAILED = 1
+REBUILD_NEEDED = 4
+
+
+class Command(OneLineFailures):
+    help = "Apply buffered counter deltas from Redis to the counter rows, once (for cron)."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument(
+            "--time-budget",
+            type=float,
+            default=None,
+            help="Seconds to spend at most (default: COUNTERS_FLUSH_TIME_BUDGET).",
+        )
+        parser.add_argument(
+            "--json",
+            action="store_true",
+            help="Print the result as JSON (an object per alias when several are flushed).",
+        )
+        parser.add_argument(
+            "--database",
+            default=None,
+            help="Flush only this database alias (default: every alias of COUNTERS_DATABASES).",
+        )
+        quarantined = parser.add_mutually_exclusive_group()
+        quarantined.add_argument(
+            "--retry-quarantined",
+            action="store_true",
+            help="Put the quarantined deltas back into the buffer first (fix their cause first).",
+        )
+        quarantined.add_argument(
+            "--discard-quarantined",
+            action="store_true",
+            help="Drop the quarantined deltas for good (after a rebuild repaired their counts).",
+        )
+
+    def handle(self, *args, **options) -> None:
+        budget = options["time_budget"]
+        if budget is not None and budget <= 0:
+            raise CommandError("--time-budget must be greater than 0")
+        alias = options["database"]
+        if alias is not None and alias not in connections:
+            raise CommandError(f"--database: no database alias {alias!r} in DATABASES")
+        quarantined = {
+            "retry_quarantined": options["retry_quarantined"],
+            "discard_quarantined": options["discard_quarantined"],
+        }
+        try:
+            if alias is None:
+                results = api.flush_databases(time_budget=budget, **quarantined)
+            else:
+                results = {alias: counters.flush(using=alias, time_budget=budget, **quarantined)}
+        except Exception as exc:
+            if options["json"]:
+                self.stdout.write(json.dumps(self.failure_data(exc)))
+            raise failure("counters_flush", exc) from exc
+        if len(results) == 1:  # one database: one line, or one result object
+            [result] = results.values()
+            self.stdout.write(json.dumps(result.as_dict()) if options["json"] else result.summary())
+        elif options["json"]:
+            self.stdout.write(json.dumps({name: r.as_dict() for name, r in results.items()}))
+        else:
+            for name, result in results.items():
+                self.stdout.write(f"{name}: {result.summary()}")
+        wrong = {
+            name: r.rebuild_needed_since for name, r in results.items() if r.rebuild_needed_since
+        }
+        for name, since in wrong.items():
+            where = f"database {name!r}: " if len(results) > 1 else ""
+            self.stderr.write(
+                f"{where}counts are wrong since {since} (Redis lost buffered deltas) until a "
+                f"full rebuild completes: run `{REBUILD_COMMAND}`"
+            )
+        if wrong:
+            sys.exit(REBUILD_NEEDED)
+
+    @staticmethod
+    def failure_data(exc: Exception) -> dict:
+        """The JSON printed for a failure: the error, and what is known of the flush."""
+        data: dict = {"error": describe(exc)}
+        if redis_unreachable(exc):
+            data["redis"] = "unreachable"
+        if isinstance(exc, FlushFailed) and hasattr(exc.result, "as_dict"):
+            data = {**exc.result.as_dict(), **data}
+        return data
