@@ -7,10 +7,16 @@ TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 PYTEST_ARGS ?=
 # Port of the web process under `make run` (honcho would otherwise give it 5000).
 PORT ?= 8000
+# Django 6.0 needs Python 3.12+: `make test-django60` runs the suite in a venv of its own.
+PYTHON_DJANGO60 ?= $(shell for py in python3.12 python3.13 \
+	"$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)"/versions/3.1[23]*/bin/python; do \
+	"$$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$$py"; break; }; \
+	done)
+VENV_DJANGO60 ?= .venv-django60
 
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install install-test run test test-sqlite test-postgres lint migrate flush clean
+.PHONY: install install-test run test test-sqlite test-postgres test-django60 lint migrate flush clean
 
 install: $(VENV)/.installed
 
@@ -43,6 +49,19 @@ test-postgres: install-test
 	$(BIN)/python scripts/ensure_redis.py
 	DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(PYTEST_ARGS)
 
+$(VENV_DJANGO60)/.installed-test: pyproject.toml
+	@test -n "$(PYTHON_DJANGO60)" || { echo "Django 6.0 needs Python 3.12+: set PYTHON_DJANGO60" >&2; exit 1; }
+	$(PYTHON_DJANGO60) -m venv $(VENV_DJANGO60)
+	$(VENV_DJANGO60)/bin/pip install --quiet --upgrade pip
+	$(VENV_DJANGO60)/bin/pip install --quiet -e '.[test]' 'Django>=6.0,<6.1'
+	touch $@
+
+# The suite on Django 6.0, SQLite then PostgreSQL (the chaos suite runs once, under `make test`).
+test-django60: $(VENV_DJANGO60)/.installed-test
+	$(VENV_DJANGO60)/bin/python scripts/ensure_redis.py
+	$(VENV_DJANGO60)/bin/pytest --ignore=tests/chaos $(PYTEST_ARGS)
+	DATABASE_URL=$(TEST_POSTGRES_URL) $(VENV_DJANGO60)/bin/pytest --ignore=tests/chaos $(PYTEST_ARGS)
+
 lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -51,4 +70,4 @@ flush: install
 	$(BIN)/python manage.py notification_update_counter
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_DJANGO60) var .pytest_cache .ruff_cache .hypothesis
