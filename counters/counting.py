@@ -220,7 +220,11 @@ def after_save(
 
 
 def before_delete(
-    sender: type[models.Model], instance: models.Model, using: str | None = None, **kwargs: Any
+    sender: type[models.Model],
+    instance: models.Model,
+    using: str | None = None,
+    origin: Any = None,
+    **kwargs: Any,
 ) -> None:
     """``pre_delete`` (inside Django's delete transaction): lock the row and keep it."""
     instance.__dict__.pop(_DELETING, None)
@@ -229,8 +233,51 @@ def before_delete(
     if already_counted(sender, instance.pk):
         return  # a counted queryset delete counts it
     using = using or router.db_for_write(sender, instance=instance)
-    found = locked_rows(plain(sender, using).filter(pk=instance.pk))
-    instance.__dict__[_DELETING] = (using, found[0][1] if found else None)
+    row = _cascaded_row(sender, instance, using, origin)
+    if row is _UNKNOWN:
+        found = locked_rows(plain(sender, using).filter(pk=instance.pk))
+        row = found[0][1] if found else None
+    instance.__dict__[_DELETING] = (using, row)
+
+
+_UNKNOWN = object()
+#: Connection attribute: (Django's delete transaction, {(model, key attname, key): {pk: row}}).
+_CASCADE = "_counters_cascade"
+
+
+def _cascaded_row(model: type[models.Model], instance: models.Model, using: str, origin: Any):
+    """The locked row of ``instance`` if its parent ``origin`` is being deleted, else _UNKNOWN.
+
+    A cascade from a parent deletes all its rows: they are locked and read in
+    one statement at the first of them, not one by one. The rows read are
+    kept for the rest of this delete transaction only (Django opens one per
+    delete). A row the statement did not find under that parent (moved away
+    meanwhile: Django deletes it by primary key all the same) is read alone.
+    """
+    if not isinstance(origin, models.Model) or origin is instance:
+        return _UNKNOWN
+    conn = connections[using]
+    if not conn.atomic_blocks:
+        return _UNKNOWN
+    for tracker in trackers_for(model):
+        parent = tracker.parent_model
+        if parent is None or not isinstance(origin, parent):
+            continue
+        attname = tracker.key_field.attname
+        value = getattr(origin, tracker.key_field.target_field.attname)
+        if value is None or instance.__dict__.get(attname) != value:
+            continue
+        block = conn.atomic_blocks[-1]
+        cache = conn.__dict__.get(_CASCADE)
+        if cache is None or cache[0] is not block:
+            cache = conn.__dict__[_CASCADE] = (block, {})
+        concrete = model._meta.concrete_model
+        rows = cache[1].get((concrete, attname, value))
+        if rows is None:
+            children = plain(concrete, using).filter(**{attname: value})
+            rows = cache[1][(concrete, attname, value)] = dict(locked_rows(children))
+        return rows.pop(instance.pk, _UNKNOWN)
+    return _UNKNOWN
 
 
 def after_delete(

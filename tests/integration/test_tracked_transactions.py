@@ -165,3 +165,41 @@ def test_each_database_counts_its_own_rows(settings):
     assert_exact(here)
     assert_exact(there, using="other")
     assert FlushBatch.objects.using("other").exists()
+
+
+def test_a_cascade_locks_the_rows_of_the_parent_at_once(post):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    def queries_to_delete(n: int) -> int:
+        parent = Post.objects.create(title=f"{n} comments")
+        Comment.objects.bulk_create([Comment(post=parent, approved=True) for _ in range(n)])
+        with CaptureQueriesContext(connection) as run:
+            parent.delete()
+        return len(run.captured_queries)
+
+    assert queries_to_delete(2) == queries_to_delete(30)
+    Comment.objects.create(post=post, approved=True, points=2)
+    assert_exact(post)
+
+
+def test_a_row_moved_away_before_a_cascade_is_counted_where_it_went(post, monkeypatch):
+    """Django deletes the rows it collected by primary key, even one that moved meanwhile."""
+    from django.db.models import deletion
+
+    other = Post.objects.create(title="other")
+    moved = Comment.objects.create(post=post, approved=True, points=5)
+    Comment.objects.create(post=post, approved=True, points=1)
+    real_delete = deletion.Collector.delete
+
+    def move_then_delete(collector):
+        # another request moves the comment after Django collected it
+        Comment.objects.filter(pk=moved.pk).update(post=other)
+        monkeypatch.setattr(deletion.Collector, "delete", real_delete)
+        return real_delete(collector)
+
+    monkeypatch.setattr(deletion.Collector, "delete", move_then_delete)
+    post.delete()
+    assert not Comment.objects.filter(pk=moved.pk).exists()
+    assert (value(other), value(other, "post_points")) == (0, 0)
+    assert_exact(other)
