@@ -39,6 +39,7 @@ class CountedQuerySet(models.QuerySet):
         model = self.model
         if is_paused() or not touches(model, kwargs):
             return super().update(**kwargs)
+        self._not_support_combined_queries("update")
         if self.query.is_sliced:
             raise TypeError("Cannot update a query once a slice has been taken.")
         using = self._write_db()
@@ -65,6 +66,7 @@ class CountedQuerySet(models.QuerySet):
         model = self.model
         if is_paused() or not trackers_for(model):
             return super().delete()
+        self._not_support_combined_queries("delete")
         if self.query.is_sliced:
             raise TypeError("Cannot use 'limit' or 'offset' with delete().")
         if self.query.distinct_fields:

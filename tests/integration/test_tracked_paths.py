@@ -259,8 +259,15 @@ def test_queryset_delete_of_posts_cascades(posts):
     assert_exact(posts[1])
 
 
-def test_sliced_update_and_delete_are_refused_like_django(posts):
+def test_sliced_and_combined_update_and_delete_are_refused_like_django(posts):
+    Comment.objects.create(post=posts[0], approved=False)
     with pytest.raises(TypeError):
         Comment.objects.all()[:1].update(approved=True)
     with pytest.raises(TypeError):
         Comment.objects.all()[:1].delete()
+    union = Comment.objects.filter(pk__gt=0).union(Comment.objects.all())
+    with pytest.raises(NotSupportedError):
+        union.update(approved=True)
+    with pytest.raises(NotSupportedError):
+        union.delete()
+    assert_exact(*posts)
