@@ -35,6 +35,7 @@ from django.db import connections, models, router, transaction
 from . import api
 from .context import already_counted, is_paused
 from .tracking import touches, tracked_fields, trackers_for
+from .utils import batched
 from .where import is_expression, python_value
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,6 @@ def locked_rows(qs: models.QuerySet) -> list[tuple[Any, Row]]:
 
 def read_rows(model: type[models.Model], pks: list[Any], using: str) -> list[Row]:
     """The current rows ``pks`` (already locked by this transaction), in pk order."""
-    from .utils import batched
-
     attnames = [f.attname for f in tracked_fields(model)]
     rows: list[Row] = []
     for chunk in batched(pks, 2000):
