@@ -56,6 +56,7 @@ INSTALLED_APPS = [
     "django_celery_beat",
     "counters",
     "notifications",
+    "benchmarks",
 ]
 
 MIDDLEWARE = [

@@ -86,6 +86,23 @@ class _Names:
         if spec.target_model is not None:
             self.parent = qn(spec.target_model._meta.db_table)
             self.parent_key = qn(field.target_field.column)
+        # A row may hold several counters: a new one gets the other columns' defaults.
+        value_field = meta.get_field(spec.value_field)
+        self.others = [
+            f
+            for f in meta.concrete_fields
+            if f not in (field, value_field)
+            and f.has_default()
+            and not f.has_db_default()
+            and not getattr(f, "generated", False)
+        ]
+        self.other_columns = "".join(f", {qn(f.column)}" for f in self.others)
+        self.other_params = ", %s" * len(self.others)
+        self.other_casts = "".join(f", %s::{f.cast_db_type(conn)}" for f in self.others)
+
+    def defaults(self, conn) -> list[Any]:
+        """The other columns' default values, for a new row (see ``others``)."""
+        return [f.get_db_prep_save(f.get_default(), conn) for f in self.others]
 
     def join(self, key: str, lateral: bool = False) -> str:
         """Inner join of the parent table: keys whose parent row is gone drop out.
@@ -128,8 +145,8 @@ def _apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -
     by_db = _prepared(spec, keyed, conn)
     keys = sorted(by_db)
     sql = (
-        f"INSERT INTO {n.table} AS t ({n.key}, {n.value}) "
-        f"SELECT d.k, d.n FROM unnest(%s::{n.key_type}[], %s::bigint[]) AS d(k, n) "
+        f"INSERT INTO {n.table} AS t ({n.key}, {n.value}{n.other_columns}) "
+        f"SELECT d.k, d.n{n.other_casts} FROM unnest(%s::{n.key_type}[], %s::bigint[]) AS d(k, n) "
         f"{n.join('d.k', lateral=True)}ORDER BY d.k "
         f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = t.{n.value} + EXCLUDED.{n.value} "
         # xmax is 0 in a row version this statement inserted, not in one it updated.
@@ -137,7 +154,7 @@ def _apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -
     )
     statements = 1
     with conn.cursor() as cursor:
-        cursor.execute(sql, [keys, [keyed[by_db[k]] for k in keys]])
+        cursor.execute(sql, [*n.defaults(conn), keys, [keyed[by_db[k]] for k in keys]])
         rows = cursor.fetchall()
         applied = {k for k, _ in rows}
         created = sorted(k for k, inserted in rows if inserted)
@@ -174,16 +191,18 @@ def _apply_sqlite(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tu
     limit = conn.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
     applied: set = set()
     statements = 0
+    defaults = n.defaults(conn)
     with conn.cursor() as cursor:
-        for chunk in batched(sorted(by_db), max(1, min(CHUNK, limit // 2))):
+        for chunk in batched(sorted(by_db), max(1, min(CHUNK, (limit - len(defaults)) // 2))):
             values = ", ".join(["(%s, %s)"] * len(chunk))
             cursor.execute(
-                f"INSERT INTO {n.table} ({n.key}, {n.value}) "
-                f"SELECT d.column1, d.column2 FROM (VALUES {values}) AS d "
+                f"INSERT INTO {n.table} ({n.key}, {n.value}{n.other_columns}) "
+                f"SELECT d.column1, d.column2{n.other_params} "
+                f"FROM (VALUES {values}) AS d "
                 f"{n.join('d.column1')}WHERE true ORDER BY d.column1 "
                 f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = {n.value} + excluded.{n.value} "
                 f"RETURNING {n.key}",
-                [p for k in chunk for p in (k, keyed[by_db[k]])],
+                [*defaults, *(p for k in chunk for p in (k, keyed[by_db[k]]))],
             )
             applied.update(k for (k,) in cursor.fetchall())
             statements += 1

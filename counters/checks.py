@@ -65,3 +65,31 @@ def check_redis_reachable(app_configs=None, **kwargs):
             )
         ]
     return []
+
+
+@register("counters")
+def check_trackers(app_configs=None, **kwargs):
+    """Every tracked model counts its querysets: E013 for its default manager, W002 for others."""
+    from .queryset import CountedQuerySet
+    from .tracking import all_trackers, uncounted_manager
+
+    messages = []
+    for model in dict.fromkeys(t.model for t in all_trackers()):
+        problem = uncounted_manager(model)
+        if problem:
+            messages.append(Error(f"{model._meta.label}: {problem}", obj=model, id="counters.E013"))
+        for manager in model._meta.managers:
+            if manager is model._default_manager:
+                continue
+            if not isinstance(manager.get_queryset(), CountedQuerySet):
+                messages.append(
+                    Warning(
+                        f"{model._meta.label}.{manager.name} is not counted: its update() and "
+                        "bulk_create() bypass the counters tracking the model",
+                        hint="Give it a counters.CountedQuerySet, or use it only inside "
+                        "counters.paused() followed by counters_rebuild.",
+                        obj=model,
+                        id="counters.W002",
+                    )
+                )
+    return messages

@@ -42,7 +42,7 @@ from .scripts import DrainScript
 logger = logging.getLogger(__name__)
 
 #: The command that repairs counters after a loss (named in logs and messages).
-REBUILD_COMMAND = "manage.py notification_rebuild_counters"
+REBUILD_COMMAND = "manage.py counters_rebuild"
 
 LOST_MESSAGE = (
     "Redis lost the buffer of shard %s under prefix %r (its epoch marker is gone or replaced: "

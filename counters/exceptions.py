@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from django.core.exceptions import ImproperlyConfigured
+
 
 def _capped(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -112,3 +114,13 @@ class RebuildRunning(CountersError):
     def __init__(self, lease_key: str) -> None:
         self.lease_key = lease_key
         super().__init__(f"another rebuild is running (it holds {lease_key}); try again later")
+
+
+class TrackingError(CountersError, ImproperlyConfigured):
+    """``counters.track()`` refused counter ``counter``: ``problem``, system check ``check_id``."""
+
+    def __init__(self, check_id: str, counter: str, problem: str) -> None:
+        self.check_id = check_id
+        self.counter = counter
+        self.problem = problem
+        super().__init__(f"{check_id}: counter {counter!r}: {problem}")

@@ -1,15 +1,30 @@
-"""Every signal receiver of the counters app, connected in one place."""
+"""The counters app's signal, and every receiver of the app, connected in one place.
+
+:data:`rows_changed` is sent by :class:`counters.CountedQuerySet` after it
+changed rows of a tracked model, inside the transaction, with the rows' old
+and new values of the tracked fields: ``old`` and ``new`` are lists of
+``{attname: value}`` (a created row is only in ``new``, a deleted one only
+in ``old``); ``using`` is the database alias. The rows were locked while
+they were read, so ``new - old`` is exactly what the change did. Its
+receiver adds that difference to every counter tracking ``sender``; other
+receivers may watch it too (an audit log, a cache to drop).
+"""
 
 from __future__ import annotations
 
-from django.db import connections
+from django.apps import apps
+from django.db import connections, models
 from django.db.backends.signals import connection_created
-from django.db.models.signals import post_migrate
+from django.db.models.signals import post_delete, post_migrate, post_save, pre_delete, pre_save
+from django.dispatch import Signal
+
+#: Sent with ``sender`` (the model), ``old``, ``new`` and ``using``; see the module doc.
+rows_changed = Signal()
 
 
 def connect_signals(app_config) -> None:
     """Connect the app's receivers (called once from ``CountersConfig.ready()``)."""
-    from . import schedule, transactions
+    from . import counting, schedule, transactions
 
     post_migrate.connect(
         schedule.ensure_periodic_task_after_migrate,
@@ -21,3 +36,23 @@ def connect_signals(app_config) -> None:
     )
     for conn in connections.all(initialized_only=True):
         transactions.install(conn)
+    rows_changed.connect(counting.rows_changed, dispatch_uid="counters.count_rows")
+
+
+def connect_model(model: type[models.Model]) -> None:
+    """Connect the instance receivers of a tracked model (and its proxies); idempotent.
+
+    Called by ``counters.track()``. The receivers are connected per model, so
+    Django keeps fast-deleting the rows of every model that is not tracked.
+    """
+    from . import counting
+
+    senders = [model] + [
+        m for m in apps.get_models() if m._meta.proxy and m._meta.concrete_model is model
+    ]
+    for sender in senders:
+        uid = f"counters:{sender._meta.label}"
+        pre_save.connect(counting.before_save, sender=sender, dispatch_uid=f"{uid}:pre_save")
+        post_save.connect(counting.after_save, sender=sender, dispatch_uid=f"{uid}:post_save")
+        pre_delete.connect(counting.before_delete, sender=sender, dispatch_uid=f"{uid}:pre_delete")
+        post_delete.connect(counting.after_delete, sender=sender, dispatch_uid=f"{uid}:post_delete")

@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.db.models import Q
 
 #: Name of the counter that holds unread notifications per user.
 UNREAD_COUNTER = "unread"
@@ -12,13 +13,14 @@ class NotificationsConfig(AppConfig):
     def ready(self) -> None:
         import counters
 
-        from .truth import UnreadTruth
+        from .models import Notification
 
-        counters.register(
+        # Unread notifications per recipient, in UnreadCounter.count. A count of
+        # rows, so it never reads below zero.
+        counters.track(
             UNREAD_COUNTER,
-            "notifications.UnreadCounter",
-            key_field="user",
-            value_field="count",
-            source=UnreadTruth(),
-            non_negative=True,
+            Notification,
+            key="recipient",
+            into="notifications.UnreadCounter.count",
+            where=Q(is_read=False),
         )

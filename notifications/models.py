@@ -1,8 +1,9 @@
 """Notifications and their per-user unread counter.
 
-Every ORM path that changes unread state counts through one rule: lock the
-rows, read what they were, change them, and emit the difference. A path that
-changed nothing emits nothing, so racing requests never count twice.
+The unread counter is one ``counters.track()`` declaration (see ``apps.py``):
+every ORM path that changes unread state locks the rows, reads what they
+were, changes them, and counts the difference. A path that changed nothing
+counts nothing, so racing requests never count twice.
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django.utils import timezone
 
-from . import transitions
+import counters
+from counters.utils import batched
+
 from .apps import UNREAD_COUNTER
 
 
-class NotificationQuerySet(models.QuerySet):
+class NotificationQuerySet(counters.CountedQuerySet):
     def unread(self) -> NotificationQuerySet:
         return self.filter(is_read=False)
 
@@ -35,25 +38,19 @@ class NotificationQuerySet(models.QuerySet):
         """Mark every read notification of this queryset unread; returns rows changed."""
         return self.filter(is_read=True).update(is_read=False, read_at=None)
 
-    def update(self, **kwargs: Any) -> int:
-        if transitions.COUNTED_FIELDS.isdisjoint(kwargs):
-            return super().update(**kwargs)
-        return transitions.counted_update(self, kwargs)
-
-    update.alters_data = True
-
-    def delete(self) -> tuple[int, dict[str, int]]:
-        return transitions.counted_delete(self)
-
-    delete.alters_data = True
-    delete.queryset_only = True
-
-    def bulk_create(self, objs, *args: Any, **kwargs: Any) -> list[Notification]:
-        return transitions.counted_bulk_create(self, objs, *args, **kwargs)
-
     def notify(self, recipients, *, batch_size: int = 1000, **fields: Any) -> int:
-        """Create one notification per recipient, in batches; returns how many."""
-        return transitions.notify(self, recipients, batch_size=batch_size, **fields)
+        """Create one notification per recipient, in batches; returns how many.
+
+        One transaction: the deltas of all batches add up, so each recipient
+        gets one aggregated delta when it commits.
+        """
+        total = 0
+        with transaction.atomic(using=self.db):
+            for chunk in batched(recipients, batch_size):
+                objs = [self.model(recipient_id=getattr(r, "pk", r), **fields) for r in chunk]
+                self.bulk_create(objs, batch_size=batch_size)
+                total += len(objs)
+        return total
 
 
 NotificationManager = models.Manager.from_queryset(NotificationQuerySet)
@@ -92,16 +89,6 @@ class Notification(models.Model):
     def __str__(self) -> str:
         return f"{self.verb} → {self.recipient_id}"
 
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        transitions.counted_save(self, super().save, *args, **kwargs)
-
-    save.alters_data = True
-
-    def delete(self, using: str | None = None, keep_parents: bool = False):
-        return transitions.counted_instance_delete(self, using)
-
-    delete.alters_data = True
-
     def mark_read(self) -> bool:
         """Mark read. True if this call changed the row (exactly one racing call wins)."""
         return self._set_read(True)
@@ -127,15 +114,11 @@ class UnreadCounterManager(models.Manager):
         Never below 0: the counter is registered ``non_negative``, so a count
         that drift made negative reads 0 and is queued for repair.
         """
-        import counters
-
         user_id = getattr(user_or_id, "pk", user_or_id)
         return counters.get_value(UNREAD_COUNTER, user_id, using=self.db)
 
     def get_counts(self, users_or_ids) -> dict[Any, int]:
         """Exact unread counts of several users at once, keyed by user id (never below 0)."""
-        import counters
-
         ids = [getattr(u, "pk", u) for u in users_or_ids]
         return counters.get_values(UNREAD_COUNTER, ids, using=self.db)
 

@@ -6,9 +6,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from counters.rebuild import rebuild
+from counters.registry import get_spec
 
 from .apps import UNREAD_COUNTER
-from .truth import UnreadTruth
 
 #: Seconds between the two readings that confirm a drift (see counters.rebuild).
 CONFIRM_DELAY = 0.5
@@ -17,7 +17,7 @@ CONFIRM_DELAY = 0.5
 def truth_counts(user_ids: Iterable[Any]) -> dict[Any, int]:
     """``COUNT(*)`` of unread notifications per user (0 for users with none)."""
     ids = list(user_ids)
-    found = UnreadTruth().count_for(ids)
+    found = get_spec(UNREAD_COUNTER).source.count_for(ids)
     return {pk: found.get(pk, 0) for pk in ids}
 
 

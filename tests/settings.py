@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from config.settings import *  # noqa: F403
-from config.settings import DATABASES, VAR_DIR
+from config.settings import DATABASES, INSTALLED_APPS, VAR_DIR
 
 _default = DATABASES["default"]
 if _default["ENGINE"] == "django.db.backends.sqlite3":
@@ -31,3 +31,6 @@ else:
 # "default" must not touch "other" (pytest-django refuses queries to databases
 # a test did not ask for). Tests of several databases set this themselves.
 COUNTERS_DATABASES = ["default"]
+
+# The counters app's own test app: a blog counting its comments with counters.track().
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.blog"]

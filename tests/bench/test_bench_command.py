@@ -13,8 +13,8 @@ import pytest
 from django.contrib.auth import get_user_model
 
 import counters
+from benchmarks.report import TARGETS
 from counters.models import BufferEpoch, FlushBatch
-from notifications.bench.report import TARGETS
 from tests.procs import database_url, project_env, run_manage
 
 # The marker makes pytest-django create the test database the module fixture runs the bench on.

@@ -50,7 +50,7 @@ def test_restart_without_persistence_is_detected_once_and_reported(
         result = counters.flush()
     assert sorted(result.lost_shards) == [0, 1, 2, 3]
     assert "REDIS LOST DATA in 4 shards" in result.summary()
-    assert len([r for r in caplog.records if "notification_rebuild_counters" in r.message]) == 4
+    assert len([r for r in caplog.records if "counters_rebuild" in r.message]) == 4
     status = gather(api.get_buffer())["epoch"]
     assert (status["state"], status["losses"]) == ("rebuild_needed", 4)
     again = counters.flush()

@@ -65,7 +65,7 @@ def test_flushall_fails_the_flush_command_and_shows_in_status_until_a_full_rebui
     since = BufferEpoch.objects.order_by("rebuild_needed_since")[0].rebuild_needed_since
     line = (
         f"counts are wrong since {since.isoformat()} (Redis lost buffered deltas) until a full "
-        "rebuild completes: run `manage.py notification_rebuild_counters`"
+        "rebuild completes: run `manage.py counters_rebuild`"
     )
     assert err.strip().splitlines()[-1] == line  # after the ERROR logged per lost shard
 
@@ -84,7 +84,7 @@ def test_flushall_fails_the_flush_command_and_shows_in_status_until_a_full_rebui
     code, out, err = run_manage("counters_status", env=env())
     assert code == 0, err
     assert f"REBUILD NEEDED since {since.isoformat()}" in out
-    assert "`manage.py notification_rebuild_counters`" in out
+    assert "`manage.py counters_rebuild`" in out
     assert [UnreadCounter.objects.get_count(u) for u in (alice, bob)] == [1, 1]
     assert [truth(u) for u in (alice, bob)] == [2, 2]
 
@@ -136,7 +136,7 @@ def test_the_celery_task_logs_an_error_at_every_run_until_rebuilt(
         tasks.flush_counters()
     errors = [r for r in caplog.records if r.name == "counters.tasks"]
     assert [r.levelno for r in errors] == [logging.ERROR, logging.ERROR]
-    assert all("notification_rebuild_counters" in r.getMessage() for r in errors)
+    assert all("counters_rebuild" in r.getMessage() for r in errors)
     api.rebuild_all()
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="counters.tasks"):

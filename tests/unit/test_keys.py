@@ -1,4 +1,4 @@
-"""Key normalisation: CounterSpec.normalize/member, InvalidKey, and the recipient bookkeeping."""
+"""Key normalisation: CounterSpec.normalize/member, InvalidKey, and the tracked totals per key."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from django.contrib.auth.models import User
 from counters import registry
 from counters.exceptions import CountersError, InvalidKey
 from counters.registry import get_spec, register
-from notifications.transitions import unread_by_recipient
+from counters.tracking import get_tracker
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,15 @@ def test_long_key_is_shortened_in_the_message():
     assert len(str(info.value)) < 300
 
 
-def test_unread_by_recipient_merges_recipient_ids_of_either_type():
-    rows = [("5", False), (5, False), (5, True), ("6", False)]
-    assert unread_by_recipient(rows) == {5: 2, 6: 1}
-    assert all(type(recipient) is int for recipient in unread_by_recipient(rows))
+def test_tracked_totals_merge_recipient_ids_of_either_type():
+    rows = [
+        {"recipient_id": "5", "is_read": False},
+        {"recipient_id": 5, "is_read": False},
+        {"recipient_id": 5, "is_read": True},
+        {"recipient_id": "6", "is_read": False},
+        None,  # no row (before an insert, after a delete)
+    ]
+    totals = get_tracker("unread").totals(rows)
+    assert totals == {5: 2, 6: 1}
+    assert all(type(recipient) is int for recipient in totals)
+    assert get_tracker("unread").deltas(rows[:2], rows[1:2]) == {5: -1}

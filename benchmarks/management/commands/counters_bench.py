@@ -13,8 +13,8 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 from redis import RedisError
 
+from benchmarks.config import SECTIONS, BenchConfig
 from counters.exceptions import CountersError
-from notifications.bench.config import SECTIONS, BenchConfig
 
 
 def _first_line(exc: BaseException) -> str:
@@ -70,8 +70,8 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         config = self._config(options)
         sections = self._sections(options["sections"])
-        from notifications.bench import runner
-        from notifications.bench.errors import BenchError
+        from benchmarks import runner
+        from benchmarks.errors import BenchError
 
         verbose = options["verbosity"] >= 2 or (options["verbosity"] >= 1 and not options["json"])
 
@@ -93,6 +93,6 @@ class Command(BaseCommand):
         if options["json"]:
             self.stdout.write(json.dumps(results, indent=2))
         else:
-            from notifications.bench.report import render
+            from benchmarks.report import render
 
             self.stdout.write(render(results))

@@ -24,8 +24,8 @@ from counters.buffer import Buffer
 from counters.models import FlushBatch
 from counters.registry import get_spec
 from counters.utils import batched
+from notifications.apps import UNREAD_COUNTER
 
-from ..apps import UNREAD_COUNTER
 from .errors import BenchError
 
 #: Deltas of one flush interval: mostly single notifications, some bursts, some reads.

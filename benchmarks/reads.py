@@ -6,7 +6,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from ..models import Notification, UnreadCounter
+from notifications.models import Notification, UnreadCounter
+
 from . import data
 
 

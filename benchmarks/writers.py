@@ -2,7 +2,7 @@
 
 Modes:
 
-- ``off``: the insert alone, through ``Model.save`` so no counted path runs;
+- ``off``: the insert alone, inside ``counters.paused()`` so nothing is counted;
 - ``naive``: the same insert plus ``UPDATE ... SET count = count + 1`` of the
   recipient's counter row in the same transaction;
 - ``tally``: ``Notification.objects.create()``, the real counted path (the
@@ -54,13 +54,15 @@ class Done:
 
 def operations() -> dict[str, Callable[[int], None]]:
     """One insert per mode for recipient id ``uid``. Django must be set up."""
-    from django.db import models, transaction
+    from django.db import transaction
     from django.db.models import F
 
-    from ..models import Notification, UnreadCounter
+    from counters import paused
+    from notifications.models import Notification, UnreadCounter
 
     def off(uid: int) -> None:
-        models.Model.save(Notification(recipient_id=uid, verb="bench"), force_insert=True)
+        with paused():
+            Notification(recipient_id=uid, verb="bench").save(force_insert=True)
 
     def naive(uid: int) -> None:
         with transaction.atomic():

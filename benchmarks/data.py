@@ -14,8 +14,7 @@ from redis import Redis
 
 from counters.buffer import Buffer
 from counters.models import BufferEpoch, FlushBatch
-
-from ..models import Notification, UnreadCounter
+from notifications.models import Notification, UnreadCounter
 
 _AUTO = (AutoField, BigAutoField, SmallAutoField)
 

@@ -1,0 +1,304 @@
+"""The receivers that count the changes of tracked rows, and the rows they compare.
+
+One rule for every path: inside a transaction, lock the rows the change
+touches, read what they contributed (:func:`locked_rows`), change them, and
+add ``after - before`` per key (:func:`count`). Racing callers queue on the
+row locks and the second one reads the first one's result, so a change is
+counted once. On SQLite, which has no row locks, write transactions must be
+serialised by the database (``"transaction_mode": "IMMEDIATE"``) to the same
+effect.
+
+Django's signals carry the changes (connected in :mod:`counters.signals`):
+
+- ``pre_save`` locks the saved row and reads it; ``post_save`` counts the
+  difference (an insert has nothing before). A save outside a transaction
+  could not hold that lock, so ``track()`` runs the model's ``save()`` in
+  ``atomic()`` (:func:`install_save`): the lock holds until the write commits.
+- ``pre_delete`` locks and reads the row inside Django's delete transaction,
+  ``post_delete`` counts its removal. Cascades from a parent arrive here too.
+- :data:`counters.signals.rows_changed`, sent by :class:`~counters.CountedQuerySet`
+  for ``update()``, ``delete()``, ``bulk_create()`` and ``bulk_update()``.
+
+Saves with ``raw=True`` (``loaddata``) and changes inside
+:func:`counters.paused` are not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from django.db import connections, models, router, transaction
+
+from . import api
+from .context import already_counted, is_paused
+from .tracking import touches, tracked_fields, trackers_for
+from .utils import batched
+from .where import is_expression, python_value
+
+logger = logging.getLogger(__name__)
+
+Row = dict[str, Any]
+
+#: Instance attributes holding what the pre_* receivers read, for the post_* ones.
+_SAVING = "_counters_saving"
+_DELETING = "_counters_deleting"
+
+
+def count(
+    model: type[models.Model],
+    old: Iterable[Mapping[str, Any] | None],
+    new: Iterable[Mapping[str, Any] | None],
+    using: str,
+) -> None:
+    """Add ``new - old`` of every counter tracking ``model``, once the transaction commits."""
+    old, new = list(old), list(new)
+    for tracker in trackers_for(model):
+        deltas = tracker.deltas(old, new)
+        if deltas:
+            api.add_many(tracker.name, deltas, using=using)
+
+
+def plain(model: type[models.Model], using: str) -> models.QuerySet:
+    """An uncounted queryset of every row of ``model`` (for the inner reads and writes)."""
+    return models.QuerySet(model, using=using)
+
+
+def locked_rows(qs: models.QuerySet) -> list[tuple[Any, Row]]:
+    """``(pk, row)`` of each row of ``qs``, locked until the transaction ends, in pk order.
+
+    A row holds the tracked fields' values (``{attname: value}``). Only the
+    model's own rows are locked (``OF self``), so querysets with joins work.
+    Must run inside a transaction.
+    """
+    model = qs.model
+    using = qs.db
+    attnames = [f.attname for f in tracked_fields(model)]
+    query = qs
+    if query.query.distinct or query.query.combinator or query.query.group_by is not None:
+        # PostgreSQL locks no row of a DISTINCT or GROUP BY: lock the same rows by pk.
+        query = plain(model, using).filter(pk__in=qs.values("pk"))
+    features = connections[using].features
+    if features.has_select_for_update_of:
+        query = query.select_for_update(of=("self",))
+    else:
+        query = query.select_for_update()
+    rows = query.prefetch_related(None).order_by("pk").values_list("pk", *attnames)
+    return [(values[0], dict(zip(attnames, values[1:], strict=True))) for values in rows]
+
+
+def read_rows(model: type[models.Model], pks: list[Any], using: str) -> list[Row]:
+    """The current rows ``pks`` (already locked by this transaction), in pk order."""
+    attnames = [f.attname for f in tracked_fields(model)]
+    rows: list[Row] = []
+    for chunk in batched(pks, 2000):
+        values = plain(model, using).filter(pk__in=chunk).order_by("pk").values_list(*attnames)
+        rows.extend(dict(zip(attnames, v, strict=True)) for v in values)
+    return rows
+
+
+def instance_row(
+    obj: models.Model, only: Iterable[str] | None = None, base: Mapping[str, Any] | None = None
+) -> Row | None:
+    """The row ``obj`` is saved as: its tracked values as the fields store them.
+
+    ``only`` (field names or attnames) limits it to those fields, the others
+    coming from ``base``. None if a value is an expression (the database
+    decides it: read the row back) or not a value of its field.
+    """
+    wanted = None if only is None else set(only)
+    row: Row = dict(base or {})
+    for field in tracked_fields(type(obj)):
+        if wanted is not None and field.name not in wanted and field.attname not in wanted:
+            continue
+        value = getattr(obj, field.attname)
+        if is_expression(value):
+            return None
+        try:
+            row[field.attname] = python_value(field, value)
+        except Exception:
+            return None
+    return row
+
+
+# -- save ------------------------------------------------------------------------
+
+
+def install_save(model: type[models.Model]) -> None:
+    """Run ``model.save()`` in ``atomic()`` when it may update a row, so the lock holds.
+
+    Inserts of plain values need no lock and keep their cost. Idempotent.
+    """
+    if model.__dict__.get("_counters_counted_save"):
+        return
+    original = model.save
+
+    @functools.wraps(original)
+    def save(self: models.Model, *args: Any, **kwargs: Any) -> None:
+        if is_paused() or not _needs_transaction(self, kwargs.get("update_fields")):
+            return original(self, *args, **kwargs)
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        with transaction.atomic(using=using):
+            return original(self, *args, **kwargs)
+
+    save.alters_data = True  # type: ignore[attr-defined]
+    model.save = save  # type: ignore[method-assign]
+    model._counters_counted_save = True  # type: ignore[attr-defined]
+
+
+def _needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) -> bool:
+    if update_fields is not None and not touches(type(obj), update_fields):
+        return False
+    if obj.pk is not None:
+        return True  # the row may exist: its old state is read under a lock
+    return any(is_expression(getattr(obj, f.attname)) for f in tracked_fields(type(obj)))
+
+
+def before_save(
+    sender: type[models.Model],
+    instance: models.Model,
+    raw: bool = False,
+    using: str | None = None,
+    update_fields: Iterable[str] | None = None,
+    **kwargs: Any,
+) -> None:
+    """``pre_save``: lock the saved row and keep what it contributed."""
+    instance.__dict__.pop(_SAVING, None)
+    if raw or is_paused() or not trackers_for(sender):
+        return
+    if update_fields is not None and not touches(sender, update_fields):
+        return
+    using = using or router.db_for_write(sender, instance=instance)
+    old = None
+    if instance.pk is not None:
+        conn = connections[using]
+        if not conn.in_atomic_block and conn.get_autocommit():
+            logger.debug(
+                "%s %s saved outside a transaction, bypassing its save(): the row is not locked",
+                sender._meta.label,
+                instance.pk,
+            )
+            found = read_rows(sender, [instance.pk], using)
+            old = found[0] if found else None
+        else:
+            found = locked_rows(plain(sender, using).filter(pk=instance.pk))
+            old = found[0][1] if found else None
+    instance.__dict__[_SAVING] = (using, old)
+
+
+def after_save(
+    sender: type[models.Model],
+    instance: models.Model,
+    created: bool = False,
+    raw: bool = False,
+    using: str | None = None,
+    update_fields: Iterable[str] | None = None,
+    **kwargs: Any,
+) -> None:
+    """``post_save``: count ``after - before`` of the saved row."""
+    saving = instance.__dict__.pop(_SAVING, None)
+    if saving is None or raw:
+        return
+    using, old = saving
+    if created:
+        old = None
+    new = None
+    if update_fields is None:
+        new = instance_row(instance)
+    elif old is not None:
+        new = instance_row(instance, update_fields, base=old)
+    if new is None:  # an expression, or an odd value: read back what was stored
+        found = read_rows(sender, [instance.pk], using)
+        new = found[0] if found else None
+    count(sender, [old], [new], using)
+
+
+# -- delete ------------------------------------------------------------------------
+
+
+def before_delete(
+    sender: type[models.Model],
+    instance: models.Model,
+    using: str | None = None,
+    origin: Any = None,
+    **kwargs: Any,
+) -> None:
+    """``pre_delete`` (inside Django's delete transaction): lock the row and keep it."""
+    instance.__dict__.pop(_DELETING, None)
+    if is_paused() or not trackers_for(sender) or instance.pk is None:
+        return
+    if already_counted(sender, instance.pk):
+        return  # a counted queryset delete counts it
+    using = using or router.db_for_write(sender, instance=instance)
+    row = _cascaded_row(sender, instance, using, origin)
+    if row is _UNKNOWN:
+        found = locked_rows(plain(sender, using).filter(pk=instance.pk))
+        row = found[0][1] if found else None
+    instance.__dict__[_DELETING] = (using, row)
+
+
+_UNKNOWN = object()
+#: Connection attribute: (Django's delete transaction, {(model, key attname, key): {pk: row}}).
+_CASCADE = "_counters_cascade"
+
+
+def _cascaded_row(model: type[models.Model], instance: models.Model, using: str, origin: Any):
+    """The locked row of ``instance`` if its parent ``origin`` is being deleted, else _UNKNOWN.
+
+    A cascade from a parent deletes all its rows: they are locked and read in
+    one statement at the first of them, not one by one. The rows read are
+    kept for the rest of this delete transaction only (Django opens one per
+    delete). A row the statement did not find under that parent (moved away
+    meanwhile: Django deletes it by primary key all the same) is read alone.
+    """
+    if not isinstance(origin, models.Model) or origin is instance:
+        return _UNKNOWN
+    conn = connections[using]
+    if not conn.atomic_blocks:
+        return _UNKNOWN
+    for tracker in trackers_for(model):
+        parent = tracker.parent_model
+        if parent is None or not isinstance(origin, parent):
+            continue
+        attname = tracker.key_field.attname
+        value = getattr(origin, tracker.key_field.target_field.attname)
+        if value is None or instance.__dict__.get(attname) != value:
+            continue
+        block = conn.atomic_blocks[-1]
+        cache = conn.__dict__.get(_CASCADE)
+        if cache is None or cache[0] is not block:
+            cache = conn.__dict__[_CASCADE] = (block, {})
+        concrete = model._meta.concrete_model
+        rows = cache[1].get((concrete, attname, value))
+        if rows is None:
+            children = plain(concrete, using).filter(**{attname: value})
+            rows = cache[1][(concrete, attname, value)] = dict(locked_rows(children))
+        return rows.pop(instance.pk, _UNKNOWN)
+    return _UNKNOWN
+
+
+def after_delete(
+    sender: type[models.Model], instance: models.Model, using: str | None = None, **kwargs: Any
+) -> None:
+    """``post_delete``: count the removal of what the row contributed."""
+    deleting = instance.__dict__.pop(_DELETING, None)
+    if deleting is None:
+        return
+    using, old = deleting
+    count(sender, [old], [], using)
+
+
+# -- CountedQuerySet's signal -----------------------------------------------------
+
+
+def rows_changed(
+    sender: type[models.Model],
+    old: Iterable[Mapping[str, Any]],
+    new: Iterable[Mapping[str, Any]],
+    using: str,
+    **kwargs: Any,
+) -> None:
+    """:data:`counters.signals.rows_changed`: count ``new - old``."""
+    count(sender, old, new, using)

@@ -1,0 +1,166 @@
+"""``CountedQuerySet`` and ``CountedManager``: the bulk paths of a tracked model, counted.
+
+``update()``, ``delete()`` and ``bulk_create()`` (and ``bulk_update()``,
+which Django runs through ``update()``) lock the rows they change, read
+their tracked fields before and after, and send
+:data:`counters.signals.rows_changed` with both, inside the transaction;
+the counters app's receiver adds the difference per key. Querysets of a
+model without trackers, and everything inside :func:`counters.paused`,
+behave exactly like Django's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from django.db import NotSupportedError, models, transaction
+
+from .context import counted_rows, is_paused
+from .counting import instance_row, locked_rows, plain, read_rows
+from .signals import rows_changed
+from .tracking import touches, tracked_fields, trackers_for
+from .utils import batched
+from .where import is_expression, python_value
+
+#: Largest IN list of primary keys in one statement.
+CHUNK = 2000
+
+
+class CountedQuerySet(models.QuerySet):
+    """A QuerySet whose writes keep the counters of its model exact. Subclass it freely."""
+
+    def _write_db(self) -> str:
+        self._for_write = True
+        return self.db
+
+    def update(self, **kwargs: Any) -> int:
+        model = self.model
+        if is_paused() or not touches(model, kwargs):
+            return super().update(**kwargs)
+        self._not_support_combined_queries("update")
+        if self.query.is_sliced:
+            raise TypeError("Cannot update a query once a slice has been taken.")
+        using = self._write_db()
+        with transaction.atomic(using=using):
+            locked = locked_rows(self)
+            if not locked:
+                return 0
+            pks = [pk for pk, _ in locked]
+            target = plain(model, using)
+            changed = 0
+            for chunk in batched(pks, CHUNK):
+                changed += target.filter(pk__in=chunk).update(**kwargs)
+            old = [row for _, row in locked]
+            new = _updated(model, old, kwargs)
+            if new is None:  # expressions: the database computed the new values
+                new = read_rows(model, pks, using)
+            rows_changed.send(sender=model, old=old, new=new, using=using)
+        self._result_cache = None
+        return changed
+
+    update.alters_data = True  # type: ignore[attr-defined]
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        model = self.model
+        if is_paused() or not trackers_for(model):
+            return super().delete()
+        self._not_support_combined_queries("delete")
+        if self.query.is_sliced:
+            raise TypeError("Cannot use 'limit' or 'offset' with delete().")
+        if self.query.distinct_fields:
+            raise TypeError("Cannot call delete() after .distinct(*fields).")
+        if self._fields is not None:
+            raise TypeError("Cannot call delete() after .values() or .values_list()")
+        using = self._write_db()
+        total = 0
+        per_model: Counter[str] = Counter()
+        with transaction.atomic(using=using):
+            locked = locked_rows(self)
+            pks = [pk for pk, _ in locked]
+            target = plain(model, using)
+            # Django deletes row by row underneath (signals, cascades): those
+            # rows are counted here, the cascades by their own receivers.
+            with counted_rows(model, pks):
+                for chunk in batched(pks, CHUNK):
+                    deleted, by_model = target.filter(pk__in=chunk).delete()
+                    total += deleted
+                    per_model.update(by_model)
+            if locked:
+                rows_changed.send(sender=model, old=[row for _, row in locked], new=[], using=using)
+        self._result_cache = None
+        return total, dict(per_model)
+
+    delete.alters_data = True  # type: ignore[attr-defined]
+    delete.queryset_only = True  # type: ignore[attr-defined]
+
+    def bulk_create(
+        self,
+        objs: Iterable[models.Model],
+        batch_size: int | None = None,
+        ignore_conflicts: bool = False,
+        update_conflicts: bool = False,
+        update_fields: list[str] | None = None,
+        unique_fields: list[str] | None = None,
+    ) -> list[models.Model]:
+        model = self.model
+        options = {
+            "batch_size": batch_size,
+            "ignore_conflicts": ignore_conflicts,
+            "update_conflicts": update_conflicts,
+            "update_fields": update_fields,
+            "unique_fields": unique_fields,
+        }
+        if is_paused() or not trackers_for(model):
+            return super().bulk_create(objs, **options)
+        if ignore_conflicts or update_conflicts:
+            raise NotSupportedError(
+                f"{model.__name__}.objects.bulk_create() cannot count rows skipped or updated "
+                "on conflict; insert without ignore_conflicts/update_conflicts, or inside "
+                "counters.paused() followed by a rebuild."
+            )
+        objs = list(objs)
+        using = self._write_db()
+        with transaction.atomic(using=using, savepoint=False):
+            created = super().bulk_create(objs, **options)
+            new, unknown = [], []
+            for obj in objs:
+                row = instance_row(obj)
+                if row is not None:
+                    new.append(row)
+                elif obj.pk is not None:
+                    unknown.append(obj.pk)
+                else:
+                    raise NotSupportedError(
+                        f"{model.__name__}.objects.bulk_create(): a value of a counted field is "
+                        "an expression, and this database does not return the new rows' keys"
+                    )
+            if unknown:
+                new += read_rows(model, unknown, using)
+            if new:
+                rows_changed.send(sender=model, old=[], new=new, using=using)
+        return created
+
+
+def _updated(
+    model: type[models.Model], old: list[dict[str, Any]], kwargs: Mapping[str, Any]
+) -> list[dict[str, Any]] | None:
+    """The rows after ``update(**kwargs)`` if computable from plain values, else None."""
+    tracked = {f.attname for f in tracked_fields(model)}
+    changes: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        field = model._meta.get_field(name)
+        if field.attname not in tracked:
+            continue
+        if is_expression(value):
+            return None
+        try:
+            changes[field.attname] = python_value(field, value)
+        except Exception:
+            return None
+    return [{**row, **changes} for row in old]
+
+
+class CountedManager(models.Manager.from_queryset(CountedQuerySet)):  # type: ignore[misc]
+    """The default manager of a tracked model: its querysets are :class:`CountedQuerySet`."""
