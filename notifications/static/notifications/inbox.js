@@ -25,6 +25,9 @@
   let known = Number(badge.dataset.unread) || 0;
   let delay = interval;
   let timer = null;
+  // Bumped when an action starts and when it ends: a poll that overlapped an
+  // action may carry a count from before it, so its answer is dropped.
+  let actions = 0;
 
   function render(unread) {
     if (readAllForm) {
@@ -57,6 +60,7 @@
       schedule(interval);
       return;
     }
+    const seen = actions;
     try {
       const response = await fetch(url, {
         credentials: "same-origin",
@@ -70,7 +74,7 @@
         throw new Error("HTTP " + response.status);
       }
       const data = await response.json();
-      if (Number.isInteger(data.unread)) {
+      if (Number.isInteger(data.unread) && seen === actions) {
         render(data.unread);
       }
       delay = interval;
@@ -115,7 +119,13 @@
     if (keepalive) {
       options.keepalive = true;
     }
-    const response = await fetch(target, options);
+    actions += 1;
+    let response;
+    try {
+      response = await fetch(target, options);
+    } finally {
+      actions += 1;
+    }
     if (!response.ok) {
       const error = new Error("HTTP " + response.status);
       error.status = response.status;
