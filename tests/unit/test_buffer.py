@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import time
 
-import fakeredis
 import pytest
 
 from counters.buffer import PUSH_MARKER_TTL_MS, Buffer, shard_of
@@ -13,11 +12,6 @@ from counters.buffer import PUSH_MARKER_TTL_MS, Buffer, shard_of
 PREFIX = "t"
 # With 4 shards: c:1, c:3 and c:8 live in shard 0, c:5 in shard 1, c:2 in shard 2, c:4 in shard 3.
 KEY_RE = re.compile(r"^t:\{s(\d+)\}:(pending|inflight|batch|gen|since|seq|epoch|lease|push:.+)$")
-
-
-@pytest.fixture
-def client() -> fakeredis.FakeRedis:
-    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
 
 
 @pytest.fixture

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import time
 
-import fakeredis
 import pytest
 
 from counters.exceptions import UnexpectedScriptReply
 from counters.lease import Lease
 
 KEY = "t:{s0}:lease"
-
-
-@pytest.fixture
-def client() -> fakeredis.FakeRedis:
-    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
 
 
 def test_acquire_sets_the_token_with_the_ttl(client):

@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 from unittest import mock
 
-import fakeredis
 import pytest
 
 from counters import buffer as buffer_module
@@ -15,11 +14,6 @@ from counters.exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptR
 PREFIX = "t"
 # With 4 shards: c:1 and c:3 live in shard 0, c:5 in shard 1, c:2 in shard 2.
 NEAR = SCORE_LIMIT - 10
-
-
-@pytest.fixture
-def client() -> fakeredis.FakeRedis:
-    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
 
 
 @pytest.fixture

@@ -18,11 +18,6 @@ PREFIX = "t"
 
 
 @pytest.fixture
-def client() -> fakeredis.FakeRedis:
-    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
-
-
-@pytest.fixture
 def buf(client) -> Buffer:
     return Buffer(client, PREFIX, shards=1)
 
