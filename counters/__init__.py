@@ -13,12 +13,14 @@ Public API::
     counters.add("unread", user_id, +1)                         # by hand, sent after COMMIT
 """
 
-from .api import add, add_many, flush, get_buffer, get_client
+from .client import get_buffer, get_client
 from .context import paused
+from .flushing import flush
 from .queryset import CountedManager, CountedQuerySet
 from .reads import get_parts, get_value, get_values
 from .registry import register
 from .tracking import track
+from .writes import add, add_many
 
 __all__ = [
     "CountedManager",

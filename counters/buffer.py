@@ -41,6 +41,7 @@ from redis.exceptions import NoScriptError
 
 from .exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
 from .scripts import DrainScript
+from .utils import to_str
 
 # Add deltas to one shard's pending set once per push id, unless the push is older than
 # ARGV[3] ms (delivered late) or was fenced, or a sum would leave the exact range of a score.
@@ -294,15 +295,11 @@ def shard_of(member: str, shards: int) -> int:
     return zlib.crc32(member.encode()) % shards
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _int(value: bytes | str | float | int) -> int:
     try:
         return int(value)  # b"12" and "12" parse directly
     except ValueError:
-        return int(float(_text(value)))  # Redis writes large scores as 1.5e+17
+        return int(float(to_str(value)))  # Redis writes large scores as 1.5e+17
 
 
 class Buffer:
@@ -407,7 +404,7 @@ class Buffer:
             codes = []
             for args, reply in zip(groups.values(), replies, strict=True):
                 if isinstance(reply, list) and reply and reply[0] == 3:
-                    members = [_text(m) for m in reply[1:]]
+                    members = [to_str(m) for m in reply[1:]]
                     if not members or not set(members) <= set(args[::2]):
                         raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
                     refused.update((m, int(deltas[m])) for m in members)
@@ -451,16 +448,16 @@ class Buffer:
         now_ms = int(time.time() * 1000)
         keys = [*self._shard_keys(shard), self.key(shard, "seq")]
         reply = self._move(keys=keys, args=[batch_id, limit, now_ms, *only])
-        status = _text(reply[0])
+        status = to_str(reply[0])
         if status == "empty":
             return None
         if status not in ("inflight", "moved"):
             raise UnexpectedScriptReply("MOVE_SCRIPT", reply)
         flat = reply[3]
-        items = {_text(flat[i]): _int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        items = {to_str(flat[i]): _int(flat[i + 1]) for i in range(0, len(flat), 2)}
         return Batch(
             shard=shard,
-            batch_id=_text(reply[1]),
+            batch_id=to_str(reply[1]),
             moved_at_ms=_int(reply[2]),
             items=items,
             recovered=status == "inflight",
@@ -499,7 +496,7 @@ class Buffer:
         if not (isinstance(reply, list) and len(reply) == 2 and reply[0] == 1):
             raise UnexpectedScriptReply("NARROW_SCRIPT", reply)
         flat = reply[1]
-        items = {_text(flat[i]): _int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        items = {to_str(flat[i]): _int(flat[i + 1]) for i in range(0, len(flat), 2)}
         if not set(items) <= set(batch.items):
             raise UnexpectedScriptReply("NARROW_SCRIPT", reply)
         return Batch(
@@ -546,7 +543,7 @@ class Buffer:
                 entries.append(
                     Quarantined(
                         shard=shard,
-                        field=_text(field_),
+                        field=to_str(field_),
                         member=str(data["member"]),
                         delta=int(data["delta"]),
                         error=str(data.get("error", "")),
@@ -586,7 +583,7 @@ class Buffer:
             fields = {e.field: e for e in group}
             if not (isinstance(reply, list) and reply and isinstance(reply[0], int)):
                 raise UnexpectedScriptReply("REQUEUE_SCRIPT", reply)
-            names = [_text(f) for f in reply[1:]]
+            names = [to_str(f) for f in reply[1:]]
             if not set(names) <= set(fields):
                 raise UnexpectedScriptReply("REQUEUE_SCRIPT", reply)
             requeued += reply[0]
@@ -610,7 +607,7 @@ class Buffer:
         pipe = self.client.pipeline(transaction=False)
         for shard in range(self.shards):
             pipe.hget(self.key(shard, "batch"), "id")
-        return {s: _text(v) for s, v in enumerate(pipe.execute()) if v is not None}
+        return {s: to_str(v) for s, v in enumerate(pipe.execute()) if v is not None}
 
     # -- read path ------------------------------------------------------------
     def snapshot(self, members: Iterable[str], push_ids: Iterable[str] = ()) -> Snapshot:
@@ -627,13 +624,13 @@ class Buffer:
         for (shard, group), reply in zip(groups.items(), replies, strict=True):
             snap.gens[shard] = _int(reply[0])
             if reply[1]:
-                snap.inflight_ids[shard] = _text(reply[1])
+                snap.inflight_ids[shard] = to_str(reply[1])
             for i, member in enumerate(group):
                 snap.pending[member] = _int(reply[2 + 2 * i])
                 snap.inflight[member] = _int(reply[3 + 2 * i])
             offset = 2 + 2 * len(group)
             for i, marker in enumerate(markers):
-                snap.markers[(shard, marker)] = _text(reply[offset + i])
+                snap.markers[(shard, marker)] = to_str(reply[offset + i])
         return snap
 
     def generations(self, shards: Iterable[int]) -> dict[int, int]:

@@ -52,7 +52,7 @@ def check_settings(app_configs=None, **kwargs):
 def check_redis_reachable(app_configs=None, **kwargs):
     from redis import RedisError
 
-    from .api import get_client
+    from .client import get_client
 
     try:
         get_client().ping()

@@ -32,11 +32,11 @@ from typing import Any
 
 from django.db import connections, models, router, transaction
 
-from . import api
 from .context import already_counted, is_paused
 from .tracking import touches, tracked_fields, trackers_for
 from .utils import batched
 from .where import is_expression, python_value
+from .writes import add_many
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def count(
     for tracker in trackers_for(model):
         deltas = tracker.deltas(old, new)
         if deltas:
-            api.add_many(tracker.name, deltas, using=using)
+            add_many(tracker.name, deltas, using=using)
 
 
 def plain(model: type[models.Model], using: str) -> models.QuerySet:

@@ -30,6 +30,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import F, Min
 from django.db.models.functions import Coalesce, Greatest
 from django.utils import timezone
@@ -38,6 +39,7 @@ from .buffer import Batch, Buffer
 from .exceptions import UnexpectedScriptReply
 from .models import BufferEpoch
 from .scripts import DrainScript
+from .utils import to_str
 
 logger = logging.getLogger(__name__)
 
@@ -88,18 +90,14 @@ class EpochCheck:
     seq: int
 
 
-def _text(value: bytes | str | None) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def check_epoch(buffer: Buffer, shard: int, using: str = "default") -> EpochCheck:
+def check_epoch(buffer: Buffer, shard: int, using: str = DEFAULT_DB_ALIAS) -> EpochCheck:
     """Check shard ``shard`` for data loss or time travel since the last check.
 
     Call under the shard's lease. A loss is recorded and the sequences are
     re-aligned before this returns.
     """
     token, redis_seq = buffer.client.mget(buffer.key(shard, "epoch"), buffer.key(shard, "seq"))
-    token, redis_seq = _text(token), int(redis_seq or 0)
+    token, redis_seq = to_str(token), int(redis_seq or 0)
     epochs = BufferEpoch.objects.using(using)
     row = epochs.filter(prefix=buffer.prefix, shard=shard).first()
     if row is not None and token == row.token and redis_seq >= row.seq:
@@ -115,7 +113,7 @@ def check_epoch(buffer: Buffer, shard: int, using: str = "default") -> EpochChec
 def _ensure_token(buffer: Buffer, shard: int) -> str:
     """The shard's epoch token, set to a new random one if Redis has none."""
     script = DrainScript(buffer.client, ENSURE_TOKEN_SCRIPT)
-    return _text(script(keys=[buffer.key(shard, "epoch")], args=[secrets.token_hex(16)])) or ""
+    return to_str(script(keys=[buffer.key(shard, "epoch")], args=[secrets.token_hex(16)])) or ""
 
 
 def record_loss(buffer: Buffer, shard: int, using: str, redis_seq: int) -> None:
@@ -162,13 +160,13 @@ def record_applied(batch: Batch, using: str) -> None:
         )
 
 
-def rebuild_needed_since(prefix: str, using: str = "default") -> datetime | None:
+def rebuild_needed_since(prefix: str, using: str = DEFAULT_DB_ALIAS) -> datetime | None:
     """When the first loss not yet repaired by a full rebuild was detected, or None."""
     rows = BufferEpoch.objects.using(using).filter(prefix=prefix)
     return rows.aggregate(since=Min("rebuild_needed_since"))["since"]
 
 
-def clear_rebuild_needed(prefix: str, started: datetime, using: str = "default") -> int:
+def clear_rebuild_needed(prefix: str, started: datetime, using: str = DEFAULT_DB_ALIAS) -> int:
     """A full rebuild that started at ``started`` completed: clear the losses it covers.
 
     A loss detected after ``started`` may have happened after the rebuild

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.core.exceptions import ImproperlyConfigured
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 
 def _capped(text: str, limit: int = 100) -> str:
@@ -42,6 +43,15 @@ class BufferUnavailable(CountersError):
         self.url = url
         self.cause = cause
         super().__init__(f"Redis unreachable at {url}: {cause}")
+
+
+class NotConnected(RedisConnectionError):
+    """No connection to Redis could be made, so nothing of the command was sent.
+
+    Raised instead of redis-py's ``ConnectionError``/``TimeoutError`` when
+    connecting (or the health-check PING before a command) failed. Any other
+    Redis error may come after the command left: it may still apply.
+    """
 
 
 class InconsistentRead(CountersError):

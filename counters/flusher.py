@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 from django.db import (
+    DEFAULT_DB_ALIAS,
     IntegrityError,
     InterfaceError,
     InternalError,
@@ -50,6 +51,7 @@ from .buffer import Batch, Buffer
 from .epoch import check_epoch, record_applied, record_loss
 from .lease import Lease
 from .models import FlushBatch
+from .utils import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +133,10 @@ def narrowed_id(batch_id: str) -> str:
 
 def error_line(exc: BaseException) -> str:
     """``<type>: <first line of the message>``, capped: for logs, status and quarantine."""
-    lines = str(exc).strip().splitlines()
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text[:ERROR_LIMIT]
+    text = str(exc).strip()
+    return (f"{type(exc).__name__}: {first_line(exc)}" if text else type(exc).__name__)[
+        :ERROR_LIMIT
+    ]
 
 
 #: Errors of the database rather than of a batch's deltas: the batch stays in flight as
@@ -322,7 +325,7 @@ def prune_ledger(buffer: Buffer, using: str, retention: int) -> int:
 def flush(
     buffer: Buffer,
     *,
-    using: str = "default",
+    using: str = DEFAULT_DB_ALIAS,
     batch_size: int = 1000,
     time_budget: float = 30.0,
     lease_timeout: float = 30.0,
@@ -358,9 +361,7 @@ def flush(
                 error_line(exc),
                 exc_info=logger.isEnabledFor(logging.DEBUG),  # the traceback only when debugging
             )
-            lines = str(exc).strip().splitlines()
-            line = lines[0] if lines else type(exc).__name__
-            result.failed_shards[shard] = line[:ERROR_LIMIT]
+            result.failed_shards[shard] = first_line(exc, ERROR_LIMIT)
     if retention is not None:
         prune_ledger(buffer, using, retention)
     result.seconds = time.monotonic() - started

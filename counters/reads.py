@@ -27,6 +27,7 @@ from redis import RedisError
 
 from . import conf, repair, transactions
 from .buffer import Buffer, Snapshot
+from .client import get_buffer
 from .exceptions import BufferUnavailable, InconsistentRead
 from .lease import Lease
 from .registry import CounterSpec, get_spec
@@ -54,8 +55,6 @@ def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS)
     there is, and a page must not fail because of the buffer. A counter
     registered ``non_negative`` never reads below 0 (see :mod:`counters.repair`).
     """
-    from .api import get_buffer
-
     values = _exact_values(name, keys, using)
     return repair.clamp(get_spec(name), values, lambda: get_buffer(using))
 
@@ -90,8 +89,6 @@ def get_parts(
     Raises :class:`BufferUnavailable` when Redis cannot be reached and
     :class:`InconsistentRead` when no consistent reading could be taken.
     """
-    from .api import get_buffer
-
     spec = get_spec(name)
     keys = list(dict.fromkeys(keys))
     if not keys:

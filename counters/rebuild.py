@@ -14,17 +14,26 @@ is reported as unstable, never guessed at.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS
+from django.utils import timezone
+from redis import RedisError
 
-from . import api, conf, reads
-from .exceptions import CountersError
-from .registry import CounterSpec, get_spec
+from . import conf, reads, repair
+from .buffer import Buffer
+from .client import get_buffer
+from .exceptions import BufferUnavailable, CountersError, RebuildRunning
+from .lease import Lease
+from .registry import CounterSpec, all_specs, get_spec
 from .utils import batched
+from .writes import add_many
+
+logger = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 
@@ -163,7 +172,7 @@ def rebuild(
                         still[key] = (drift, seen)
             report.wrong.extend(confirmed.values())
             if confirmed and not dry_run:
-                api.add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
+                add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
                 report.repaired += len(confirmed)
             suspects = still
         report.unstable.extend(suspects)
@@ -172,3 +181,71 @@ def rebuild(
             progress(report.checked, max(total, report.checked))
     report.seconds = time.monotonic() - started
     return report
+
+
+def rebuild_lease(buffer: Buffer) -> Lease:
+    """The lease that keeps full rebuilds and repairs of one prefix from overlapping.
+
+    Two rebuilds confirming the same drift at once would both repair it. The
+    lease outlives one page of a rebuild (its confirmation rounds included)
+    and is extended after each page.
+    """
+    page = CONFIRM_ROUNDS * (2 * conf.socket_timeout() + 0.2)
+    return Lease(buffer.client, f"{buffer.prefix}:rebuild", conf.lease_timeout() + page)
+
+
+def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> int:
+    """Rebuild the keys that reads found below zero (see ``counters.repair``)."""
+    if not buffer.client.exists(repair.queue_key(buffer)):
+        return 0
+    with rebuild_lease(buffer) as lease:
+        if not lease.held:
+            return 0  # a rebuild is running; the keys wait for the next flush
+        return repair.repair_queued(buffer, using, limit=conf.batch_size())
+
+
+def rebuild_all(
+    using: str = DEFAULT_DB_ALIAS,
+    *,
+    batch_size: int = 1000,
+    progress: Progress | None = None,
+) -> list[RebuildReport]:
+    """Rebuild every registered counter that has a truth source: the full rebuild.
+
+    When it completes, the Redis data losses detected before it started are
+    repaired, and their "rebuild needed" mark is cleared. Keys that kept
+    changing are queued for the next flush to repair. Raises
+    :class:`RebuildRunning` if another full rebuild or repair of this prefix
+    is running.
+    """
+    from .epoch import clear_rebuild_needed
+
+    buffer = get_buffer(using)
+    try:
+        with rebuild_lease(buffer) as lease:
+            if not lease.held:
+                raise RebuildRunning(lease.key)
+
+            def page_done(done: int, total: int) -> None:
+                if not lease.extend():
+                    logger.warning("the rebuild lease %s expired during a rebuild", lease.key)
+                if progress is not None:
+                    progress(done, total)
+
+            started = timezone.now()
+            reports = []
+            for spec in all_specs():
+                if spec.source is not None:
+                    report = rebuild(
+                        spec.name, batch_size=batch_size, progress=page_done, using=using
+                    )
+                    logger.info("full rebuild: %s", report.summary())
+                    reports.append(report)
+                    repair.queue(buffer, spec.name, report.unstable)
+    except RedisError as exc:
+        raise BufferUnavailable(conf.redis_url(), exc) from exc
+    if clear_rebuild_needed(buffer.prefix, started, using):
+        logger.warning(
+            "full rebuild complete: the Redis data loss of prefix %r is repaired", buffer.prefix
+        )
+    return reports

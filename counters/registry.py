@@ -13,6 +13,7 @@ from django.core.exceptions import ValidationError
 from django.db import models
 
 from .exceptions import InvalidKey, UnknownCounter
+from .utils import to_str
 
 
 class TruthSource(Protocol):
@@ -180,7 +181,7 @@ def all_specs() -> list[CounterSpec]:
 
 def parse_member(member: str | bytes) -> tuple[CounterSpec, Any]:
     """Split a Redis member "<name>:<key>" into its spec and typed key."""
-    text = member.decode() if isinstance(member, bytes) else member
+    text = to_str(member)
     name, _, raw_key = text.partition(":")
     spec = get_spec(name)
     return spec, spec.to_key(raw_key)

@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from django.apps import apps
-from django.db import router
+from django.db import DEFAULT_DB_ALIAS, router
 
 from . import conf
 
@@ -16,7 +16,7 @@ TASK_NAME = "counters.flush"
 PERIODIC_TASK_NAME = "counters: flush buffered deltas"
 
 
-def ensure_periodic_task(interval: int | None = None, using: str = "default"):
+def ensure_periodic_task(interval: int | None = None, using: str = DEFAULT_DB_ALIAS):
     """Create or update the beat entry that runs the flush every ``interval`` seconds.
 
     Each run expires after one interval, so runs missed while no worker was up
@@ -45,7 +45,7 @@ def ensure_periodic_task(interval: int | None = None, using: str = "default"):
     return task
 
 
-def ensure_periodic_task_after_migrate(using: str = "default", **kwargs: Any) -> None:
+def ensure_periodic_task_after_migrate(using: str = DEFAULT_DB_ALIAS, **kwargs: Any) -> None:
     """Create the beat entry when ``migrate`` runs on the database that holds it.
 
     django-celery-beat's tables live where the routers send PeriodicTask;

@@ -7,6 +7,7 @@ import json
 import time
 from typing import Any
 
+from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Max, Sum
 
 from . import quarantine
@@ -14,10 +15,7 @@ from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
 from .models import BufferEpoch, FlushBatch
 from .repair import queue_key
-
-
-def _text(value: Any) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
+from .utils import to_str
 
 
 def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
@@ -37,7 +35,7 @@ def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
         pending, since, batch, inflight, lease, lease_ttl, epoch, seq = replies[
             8 * shard : 8 * shard + 8
         ]
-        batch = {_text(k): _text(v) for k, v in batch.items()}
+        batch = {to_str(k): to_str(v) for k, v in batch.items()}
         shards.append(
             {
                 "shard": shard,
@@ -48,9 +46,9 @@ def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
                 "inflight_age_seconds": (
                     round((now_ms - int(batch["ts"])) / 1000, 3) if batch.get("ts") else None
                 ),
-                "lease_holder": (_text(lease) or "")[:8] or None,
+                "lease_holder": (to_str(lease) or "")[:8] or None,
                 "lease_expires_in": round(lease_ttl / 1000, 3) if lease_ttl > 0 else None,
-                "epoch": _text(epoch),
+                "epoch": to_str(epoch),
                 "seq": int(seq or 0),
             }
         )
@@ -61,12 +59,12 @@ def last_flush(buffer: Buffer) -> dict[str, Any] | None:
     raw = buffer.client.hgetall(f"{buffer.prefix}:last_flush")
     if not raw:
         return None
-    data = {_text(k): json.loads(v) for k, v in raw.items()}
+    data = {to_str(k): json.loads(v) for k, v in raw.items()}
     data["age_seconds"] = round(time.time() - data.pop("at"), 3)
     return data
 
 
-def ledger_status(using: str = "default") -> dict[str, Any]:
+def ledger_status(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     rows = FlushBatch.objects.using(using)
     by_kind = {
         row["kind"]: row
@@ -86,7 +84,9 @@ def ledger_status(using: str = "default") -> dict[str, Any]:
     }
 
 
-def epoch_status(buffer: Buffer, shards: list[dict[str, Any]], using: str = "default") -> dict:
+def epoch_status(
+    buffer: Buffer, shards: list[dict[str, Any]], using: str = DEFAULT_DB_ALIAS
+) -> dict:
     """Losses of Redis data, and whether counters need a rebuild because of them.
 
     ``state`` is ``ok`` (never lost), ``lost`` (Redis lost data or went back in
@@ -125,7 +125,7 @@ def epoch_status(buffer: Buffer, shards: list[dict[str, Any]], using: str = "def
     }
 
 
-def gather(buffer: Buffer, using: str = "default") -> dict[str, Any]:
+def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     """Everything ``counters_status`` shows, as plain data."""
     now_ms = int(time.time() * 1000)
     shards = shard_status(buffer, now_ms)
@@ -150,7 +150,9 @@ def gather(buffer: Buffer, using: str = "default") -> dict[str, Any]:
     }
 
 
-def gather_without_redis(buffer: Buffer, error: str, using: str = "default") -> dict[str, Any]:
+def gather_without_redis(
+    buffer: Buffer, error: str, using: str = DEFAULT_DB_ALIAS
+) -> dict[str, Any]:
     """What the DB alone tells when Redis cannot be reached: ledger, direct writes, epochs.
 
     Every write goes to the DB directly while Redis is down, so the fallback

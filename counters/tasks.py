@@ -4,8 +4,8 @@ import logging
 
 from celery import shared_task
 
-from . import api
 from .epoch import REBUILD_COMMAND
+from .flushing import flush_databases
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +49,14 @@ quiet_celery_log()
 
 @shared_task(name=TASK_NAME, ignore_result=True)
 def flush_counters() -> None:
-    """Periodic flush (django-celery-beat) of every database of ``api.databases()``.
+    """Periodic flush (django-celery-beat) of every database of ``counters.client.databases()``.
 
     Overlapping runs are safe: leases. Logs one line: at INFO when a run
     did something, at DEBUG when it was idle. While Redis data loss is
     unrepaired, each run logs an ERROR. Returns nothing, so that the worker
     has nothing to log or store per run.
     """
-    results = api.flush_databases()
+    results = flush_databases()
     busy = False
     parts = []
     for alias, result in results.items():

@@ -16,7 +16,8 @@ import pytest
 from django.db import connection
 
 import counters
-from counters import api
+from counters import client as client_module
+from counters import conf
 
 pytest.register_assert_rewrite("tests.helpers")
 
@@ -38,7 +39,7 @@ def counters_prefix(settings) -> Iterator[str]:
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     settings.COUNTERS_KEY_PREFIX = prefix
     yield prefix
-    client = api._clients.get((api.conf.redis_url(), api.conf.socket_timeout()))
+    client = client_module._clients.get((conf.redis_url(), conf.socket_timeout()))
     if client is not None and not isinstance(client, fakeredis.FakeRedis):
         with contextlib.suppress(Exception):
             _delete_prefix(client, prefix)
@@ -58,7 +59,7 @@ def fake_redis(settings, monkeypatch) -> fakeredis.FakeRedis:
     url = "redis://fakeredis:6379/0"
     settings.COUNTERS_REDIS_URL = url
     client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    monkeypatch.setitem(api._clients, (url, api.conf.socket_timeout()), client)
+    monkeypatch.setitem(client_module._clients, (url, conf.socket_timeout()), client)
     return client
 
 

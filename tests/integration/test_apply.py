@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 from django.db import connection
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 import counters
 from counters import apply
 from counters.buffer import Buffer
+from counters.exceptions import NotConnected
 from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
@@ -51,7 +51,7 @@ def redis_down_in(monkeypatch) -> set[threading.Thread]:
 
     def push(self: Buffer, deltas: Any, push_id: str) -> set[int]:
         if threading.current_thread() in threads:
-            raise RedisConnectionError("Error connecting to Redis (injected)")
+            raise NotConnected("Error connecting to Redis (injected)")
         return real_push(self, deltas, push_id)
 
     monkeypatch.setattr(Buffer, "push", push)

@@ -18,7 +18,7 @@ from django_celery_beat.models import PeriodicTask
 from redis import TimeoutError as RedisTimeoutError
 
 import counters
-from counters import api
+from counters import api, flushing
 from counters.buffer import Buffer
 from counters.models import FlushBatch
 from counters.rebuild import rebuild
@@ -197,7 +197,7 @@ def test_a_failing_database_does_not_stop_the_others(users, all_databases, monke
             raise OperationalError("default is down")
         return real_settle(buffer, using, limit)
 
-    monkeypatch.setattr(api, "settle_fallbacks", settle_or_fail)
+    monkeypatch.setattr(flushing, "settle_fallbacks", settle_or_fail)
     with pytest.raises(CommandError, match="database error: default is down"):
         call_command("notification_update_counter", stdout=StringIO())
     assert "flush of database 'default' failed: default is down" in caplog.text

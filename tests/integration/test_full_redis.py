@@ -115,9 +115,9 @@ def test_the_drain_path_scripts_run_at_maxmemory(own_redis, settings):
 def test_recording_the_flush_is_skipped_with_a_log_line_at_maxmemory(own_redis, caplog):
     buffer = api.get_buffer()
     own_redis.fill()
-    with caplog.at_level(logging.WARNING, logger="counters.api"):
+    with caplog.at_level(logging.WARNING, logger="counters.flushing"):
         api.record_flush(buffer, FlushResult(batches=3))
-    [record] = [r for r in caplog.records if r.name == "counters.api"]
+    [record] = [r for r in caplog.records if r.name == "counters.flushing"]
     assert "Redis is at maxmemory: the result of this flush is not recorded" in record.getMessage()
     assert "flushed 3 batches" in record.getMessage()
     assert not buffer.client.exists(f"{buffer.prefix}:last_flush")

@@ -9,7 +9,7 @@ import pytest
 from django.db import OperationalError
 
 import counters
-from counters import api
+from counters import api, settle
 from counters.models import FALLBACK_PREFIX, FlushBatch
 from notifications.apps import UNREAD_COUNTER
 from tests.helpers import stored
@@ -57,7 +57,7 @@ def test_a_take_back_beyond_exact_scores_is_written_to_the_db(make_user):
     assert exact(alice) == truth
 
     # Settling again (a flush that died before clearing the row would) takes nothing twice.
-    assert api._take_back(buffer, {member: -5}, f"{PUSH_ID}-undo", "default") is True
+    assert settle.take_back(buffer, {member: -5}, f"{PUSH_ID}-undo", "default") is True
     assert api.settle_fallbacks(buffer) == 0
     counters.flush()
     assert stored(alice) == exact(alice) == truth

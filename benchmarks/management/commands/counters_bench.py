@@ -15,11 +15,7 @@ from redis import RedisError
 
 from benchmarks.config import SECTIONS, BenchConfig
 from counters.exceptions import CountersError
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+from counters.utils import first_line
 
 
 class Command(BaseCommand):
@@ -85,11 +81,11 @@ class Command(BaseCommand):
         except BenchError as exc:
             raise CommandError(str(exc)) from exc
         except CountersError as exc:
-            raise CommandError(_first_line(exc)) from exc
+            raise CommandError(first_line(exc)) from exc
         except RedisError as exc:
-            raise CommandError(f"Redis error: {_first_line(exc)}") from exc
+            raise CommandError(f"Redis error: {first_line(exc)}") from exc
         except DatabaseError as exc:
-            raise CommandError(f"database error: {_first_line(exc)}") from exc
+            raise CommandError(f"database error: {first_line(exc)}") from exc
         if options["json"]:
             self.stdout.write(json.dumps(results, indent=2))
         else:

@@ -19,16 +19,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from counters import conf
 from counters.exceptions import BufferUnavailable, CountersError
+from counters.utils import first_line
 
 logger = logging.getLogger(__name__)
 
 #: Longest failure line a command prints.
 LINE_LIMIT = 500
-
-
-def first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def describe(exc: BaseException) -> str:
@@ -39,7 +35,7 @@ def describe(exc: BaseException) -> str:
     elif isinstance(exc, DatabaseError):
         text = f"database error: {line}"
     elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-        text = str(BufferUnavailable(conf.redis_url(), exc)).splitlines()[0]
+        text = first_line(BufferUnavailable(conf.redis_url(), exc))
     elif isinstance(exc, RedisError):
         text = f"Redis error: {line}"
     else:

@@ -12,7 +12,7 @@ Exit status:
   naming the fix to stderr.
 
 ``--database`` flushes only that alias; without it, every alias of
-``counters.api.databases()``. ``--retry-quarantined`` first puts the deltas
+``counters.client.databases()``. ``--retry-quarantined`` first puts the deltas
 the quarantine holds back into the buffer (a delta that fails again is
 quarantined again); ``--discard-quarantined`` drops them for good.
 """

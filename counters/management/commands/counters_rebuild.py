@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
-from django.db import DatabaseError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 
 from counters import api, epoch
 from counters.exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
@@ -82,7 +82,7 @@ class Command(OneLineFailures):
         parser.add_argument("--dry-run", action="store_true", help="Report, repair nothing.")
         parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
         parser.add_argument("--batch-size", type=int, default=1000, help="Keys per page.")
-        parser.add_argument("--database", default="default", help="Database alias.")
+        parser.add_argument("--database", default=DEFAULT_DB_ALIAS, help="Database alias.")
 
     def counter_names(self, options: dict[str, Any]) -> list[str]:
         """The counters to rebuild, each checked to exist and to have a truth source."""

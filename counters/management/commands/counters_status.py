@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import sys
 
+from django.db import DEFAULT_DB_ALIAS
 from redis import RedisError
 
 from counters import api, conf
 from counters.status import gather, gather_without_redis
+from counters.utils import first_line
 
-from ._failures import OneLineFailures, failure, first_line
+from ._failures import OneLineFailures, failure
 
 REDIS_UNREACHABLE = 2
 
@@ -34,7 +36,7 @@ class Command(OneLineFailures):
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--json", action="store_true", help="Print the status as JSON.")
-        parser.add_argument("--database", default="default", help="Database alias.")
+        parser.add_argument("--database", default=DEFAULT_DB_ALIAS, help="Database alias.")
 
     def handle(self, *args, **options) -> None:
         using = options["database"]

@@ -1,0 +1,186 @@
+"""Flush entry points: settle, flush, repair and record, per database alias.
+
+:func:`flush` is what ``counters.flush()``, the Celery task and the
+``counters_flush`` command run. The shard-by-shard engine is
+:mod:`counters.flusher`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from django.db import DatabaseError
+from redis import RedisError
+from redis.exceptions import OutOfMemoryError
+
+from . import conf, quarantine
+from .buffer import Buffer
+from .client import databases, get_buffer
+from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning
+from .settle import settle_fallbacks
+from .utils import first_line
+
+if TYPE_CHECKING:
+    from .flusher import FlushResult
+
+logger = logging.getLogger(__name__)
+
+
+def flush(
+    *,
+    using: str | None = None,
+    time_budget: float | None = None,
+    retry_quarantined: bool = False,
+    discard_quarantined: bool = False,
+) -> FlushResult:
+    """Flush every shard of database ``using`` once; returns a FlushResult.
+
+    Without ``using``, every database of :func:`databases` is flushed (see
+    :func:`flush_databases`) and the result is their sum.
+    ``retry_quarantined`` first puts the quarantined deltas back into the
+    buffer, ``discard_quarantined`` drops them (see ``counters.quarantine``).
+    Then rebuilds the keys queued by reads below zero, and, while Redis data
+    loss is not repaired yet ("rebuild needed") and ``COUNTERS_AUTO_REBUILD``
+    is on, runs the full rebuild. ``result.rebuild_needed_since`` tells if
+    counters are still wrong. Records the result for ``counters_status``.
+    Raises :class:`BufferUnavailable` when Redis cannot be reached and
+    :class:`FlushFailed` (carrying the result) when some shards failed.
+    """
+    from .flusher import flush as run_flush
+    from .rebuild import repair_queued
+
+    if using is None:
+        results = flush_databases(
+            time_budget=time_budget,
+            retry_quarantined=retry_quarantined,
+            discard_quarantined=discard_quarantined,
+        )
+        return _added_up(list(results.values()))
+    buffer = get_buffer(using)
+    try:
+        requeued = quarantine.retry(buffer) if retry_quarantined else 0
+        discarded = quarantine.discard(buffer) if discard_quarantined else 0
+        # Fence late pushes first, so that what they added and what takes it
+        # back cancel out in the pending set before this flush moves it.
+        compensated = settle_fallbacks(buffer, using)
+        result = run_flush(
+            buffer,
+            using=using,
+            batch_size=conf.batch_size(),
+            time_budget=conf.flush_time_budget() if time_budget is None else time_budget,
+            lease_timeout=conf.lease_timeout(),
+            retention=conf.ledger_retention(),
+        )
+        result.compensated = compensated
+        result.requeued, result.discarded = requeued, discarded
+        result.repaired = repair_queued(buffer, using)
+        result.rebuild_needed_since = _needed_since(buffer, using)
+        if result.rebuild_needed_since and conf.auto_rebuild():
+            record_flush(buffer, result)  # a rebuild can take long: show the flush first
+            if _auto_rebuild(using):
+                result.rebuild_needed_since = _needed_since(buffer, using)
+        record_flush(buffer, result)
+    except RedisError as exc:
+        raise BufferUnavailable(conf.redis_url(), exc) from exc
+    if result.failed_shards:
+        raise FlushFailed(result, result.failed_shards)
+    return result
+
+
+def flush_databases(
+    *,
+    time_budget: float | None = None,
+    retry_quarantined: bool = False,
+    discard_quarantined: bool = False,
+) -> dict[str, FlushResult]:
+    """Flush each database of :func:`databases` once; returns {alias: FlushResult}.
+
+    Each database gets its own time budget. One database failing does not
+    keep the others from being flushed: once all have run, the first error is
+    raised again. Redis being unreachable stops at once (it is one Redis).
+    """
+    results: dict[str, FlushResult] = {}
+    error: Exception | None = None
+    aliases = databases()
+    for alias in aliases:
+        try:
+            results[alias] = flush(
+                using=alias,
+                time_budget=time_budget,
+                retry_quarantined=retry_quarantined,
+                discard_quarantined=discard_quarantined,
+            )
+        except BufferUnavailable:
+            raise
+        except (FlushFailed, DatabaseError) as exc:
+            if len(aliases) > 1:  # name the database; the caller sees only the first error
+                logger.error("flush of database %r failed: %s", alias, first_line(exc, 300))
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def _added_up(results: list[FlushResult]) -> FlushResult:
+    """One FlushResult of several: counts added, flags or-ed, shard lists merged."""
+    from .flusher import FlushResult
+
+    if len(results) == 1:
+        return results[0]
+    total = FlushResult()
+    for result in results:
+        for item in dataclasses.fields(result):
+            mine, theirs = getattr(total, item.name), getattr(result, item.name)
+            if isinstance(mine, list):
+                theirs = sorted(set(mine) | set(theirs))
+            elif isinstance(mine, dict):
+                theirs = {**theirs, **mine}
+            elif isinstance(mine, bool) or mine is None or isinstance(mine, str):
+                theirs = mine or theirs
+            else:
+                theirs = mine + theirs
+            setattr(total, item.name, theirs)
+    return total
+
+
+def _needed_since(buffer: Buffer, using: str) -> str | None:
+    from .epoch import rebuild_needed_since
+
+    since = rebuild_needed_since(buffer.prefix, using)
+    return since.isoformat() if since else None
+
+
+def _auto_rebuild(using: str) -> bool:
+    """Run the full rebuild after a data loss; False if another one is running."""
+    from .rebuild import rebuild_all
+
+    try:
+        reports = rebuild_all(using=using)
+    except RebuildRunning:
+        logger.info("automatic rebuild skipped: another rebuild is running")
+        return False
+    for report in reports:
+        logger.warning("automatic rebuild after Redis data loss: %s", report.summary())
+    return True
+
+
+def record_flush(buffer: Buffer, result: FlushResult) -> None:
+    """Keep the last flush's result in Redis for ``counters_status``.
+
+    Skipped (with a log line) when Redis is at maxmemory: draining it does
+    not need this record.
+    """
+    data = {k: json.dumps(v) for k, v in result.as_dict().items()}
+    data["at"] = json.dumps(time.time())
+    try:
+        buffer.client.hset(f"{buffer.prefix}:last_flush", mapping=data)
+    except OutOfMemoryError:
+        logger.warning(
+            "Redis is at maxmemory: the result of this flush is not recorded for "
+            "counters_status (%s)",
+            result.summary(),
+        )

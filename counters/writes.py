@@ -1,0 +1,182 @@
+"""The write path: deltas recorded per transaction, pushed after COMMIT, or written directly.
+
+``add()``/``add_many()`` hold deltas until the transaction commits
+(:mod:`counters.transactions`); :func:`send` then pushes them to Redis in one
+round trip. When Redis fails, :func:`write_direct` applies them to the
+database at once, recorded in the ledger; a push that may still arrive later
+leaves that write "unsettled" until a flush fences it (:mod:`counters.settle`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections, transaction
+from redis import RedisError
+
+from . import transactions
+from .buffer import Buffer
+from .client import get_buffer
+from .exceptions import NotConnected, ScoreLimitExceeded, StalePush
+from .registry import get_spec
+from .utils import capped
+
+logger = logging.getLogger(__name__)
+
+#: Times the write path sent deltas straight to the DB because Redis failed (this process).
+fallback_count = 0
+
+
+def add(name: str, key: Any, delta: int = 1, *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Add ``delta`` to counter ``name`` at ``key`` once the current transaction commits.
+
+    Raises :class:`InvalidKey` if ``key`` is not a valid key of the counter.
+    """
+    add_many(name, {key: delta}, using=using)
+
+
+def add_many(name: str, deltas: Mapping[Any, int], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Add several deltas ({key: delta}) to counter ``name`` after commit.
+
+    Keys are normalised first (``"7"`` and ``7`` are one key, their deltas
+    add up); a key that is not valid raises :class:`InvalidKey` and nothing
+    of the call is recorded.
+    """
+    spec = get_spec(name)
+    members: dict[str, int] = {}
+    for key, delta in deltas.items():
+        member = spec.member(key)
+        members[member] = members.get(member, 0) + delta
+    changed = {member: delta for member, delta in members.items() if delta}
+    if changed:
+        transactions.record(changed, using, send)
+
+
+def may_have_left(exc: BaseException) -> bool:
+    """Could the push that failed with ``exc`` still have reached Redis, or arrive later?
+
+    Only a failure to connect (:class:`NotConnected`) proves that nothing was
+    sent. A timeout or a reset after the command was written, an error reply
+    from one shard of a pipelined push (the other shards may have applied it),
+    a refusal as too late: all may have left something in Redis.
+    """
+    return not isinstance(exc, NotConnected)
+
+
+def send(deltas: Mapping[str, int], using: str) -> None:
+    """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
+
+    Deltas that a Redis score cannot sum exactly (2**53 and beyond) are
+    applied to the DB directly as well. Never raises: it runs after COMMIT,
+    where the request has already succeeded.
+    """
+    push_id = uuid.uuid4().hex
+    buffer = get_buffer(using)
+    rest = {member: delta for member, delta in deltas.items() if delta}
+    direct: dict[str, int] = {}
+    maybe_sent = pushed = False
+    for attempt in (1, 2):
+        try:
+            push_exact(buffer, rest, direct, push_id)
+            pushed = True
+            break
+        except (RedisError, StalePush) as exc:
+            # The push is idempotent per push_id, so one repeat is safe even if
+            # the first attempt ran and only its reply was lost. A failure after
+            # the command left (a timeout, a reset) may still deliver it later:
+            # the direct write then stays unsettled until a flush fences it.
+            maybe_sent = maybe_sent or may_have_left(exc)
+            if attempt == 2:
+                logger.warning(
+                    "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
+                )
+    if direct:
+        # These never entered Redis: nothing to fence, a settled write.
+        write_direct(direct, using)
+    if not pushed and rest:
+        write_direct(rest, using, push_id=push_id, unsettled=maybe_sent)
+
+
+def push_exact(buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: str) -> None:
+    """Push ``rest``, moving the members Redis refuses as too large from ``rest`` to ``direct``.
+
+    A refused shard added nothing, so pushing the remainder again with the
+    same id completes it, while the shards that took the push ignore the repeat.
+    """
+    for _ in range(len(rest) + 1):
+        try:
+            buffer.push(rest, push_id)
+            return
+        except ScoreLimitExceeded as exc:
+            for member in exc.members:
+                direct[member] = rest.pop(member)
+            logger.info(
+                "%s deltas reach 2**53, beyond exact Redis scores; writing them to the DB: %s",
+                len(exc.members),
+                capped(exc.members),
+            )
+    raise AssertionError("unreachable: every refusal removes a member")
+
+
+def write_direct(
+    deltas: Mapping[str, int],
+    using: str,
+    *,
+    push_id: str | None = None,
+    unsettled: bool = False,
+    attempts: int = 3,
+) -> None:
+    """Apply deltas to the DB now, recorded in the ledger as a fallback batch.
+
+    Deltas whose counted row is gone are dropped (and counted), the others
+    applied: a row deleted while the transaction ran fails it at COMMIT, and
+    the next attempt no longer finds that row.
+    """
+    global fallback_count
+    from .apply import apply_deltas
+    from .models import FALLBACK_PREFIX, FlushBatch
+
+    batch_id = f"{FALLBACK_PREFIX}{push_id or uuid.uuid4().hex}"
+    ledger = FlushBatch.objects.using(using)
+    conn = connections[using]
+    # Right after the COMMIT of a manual transaction (autocommit off) this
+    # write must be a transaction of its own, committed here.
+    manual = not conn.in_atomic_block and not conn.get_autocommit()
+    for attempt in range(1, attempts + 1):
+        try:
+            with transaction.atomic(using=using):
+                applied = apply_deltas(deltas, using)
+                ledger.create(
+                    batch_id=batch_id,
+                    kind=FlushBatch.Kind.FALLBACK,
+                    keys=applied.keys,
+                    deltas=applied.deltas,
+                    dropped=applied.dropped,
+                    unsettled=dict(deltas) if unsettled else None,
+                )
+            if manual:
+                conn.commit()
+            fallback_count += 1
+            return
+        except (OperationalError, IntegrityError) as exc:
+            if manual:
+                conn.rollback()
+            # A deadlock or lock timeout, or a foreign-key target deleted meanwhile
+            # (the deferred check fails at COMMIT): try again.
+            if isinstance(exc, IntegrityError) and ledger.filter(pk=batch_id).exists():
+                return  # this write was applied already
+            if attempt == attempts:
+                logger.exception(
+                    "could not write %s deltas to the DB: %r", len(deltas), capped(deltas)
+                )
+                return
+            time.sleep(0.05 * attempt)
+        except Exception:
+            if manual:
+                conn.rollback()
+            logger.exception("could not write %s deltas to the DB: %r", len(deltas), capped(deltas))
+            return
