@@ -73,9 +73,11 @@ return 1
 
 # Fence push KEYS[1] so it can never apply; 1 if it had already been applied, else 0.
 FENCE_SCRIPT = """
-local value = redis.call('GET', KEYS[1])
+local marker = KEYS[1]
+local ttl = ARGV[1]
+local value = redis.call('GET', marker)
 if not value then
-  redis.call('SET', KEYS[1], 'fenced', 'PX', ARGV[1])
+  redis.call('SET', marker, 'fenced', 'PX', ttl)
   return 0
 end
 if value == 'fenced' then return 0 end
@@ -132,9 +134,11 @@ return {'moved', batch_id, now_ms, items, number}
 
 # Forget in-flight batch ARGV[1] only if it is still the batch in flight.
 ACK_SCRIPT = """
-if redis.call('HGET', KEYS[2], 'id') == ARGV[1] then
-  redis.call('DEL', KEYS[1], KEYS[2])
-  redis.call('INCR', KEYS[3])
+local inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3]
+local batch_id = ARGV[1]
+if redis.call('HGET', batch, 'id') == batch_id then
+  redis.call('DEL', inflight, batch)
+  redis.call('INCR', gen)
   return 1
 end
 return 0
@@ -144,12 +148,13 @@ return 0
 # then the value of each push marker KEYS[6..] ('' when absent).
 READ_SCRIPT = """
 local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local members, first_marker = ARGV, 6
 local out = {redis.call('GET', gen) or '0', redis.call('HGET', batch, 'id') or ''}
-for i = 1, #ARGV do
-  out[#out + 1] = redis.call('ZSCORE', pending, ARGV[i]) or '0'
-  out[#out + 1] = redis.call('ZSCORE', inflight, ARGV[i]) or '0'
+for _, member in ipairs(members) do
+  out[#out + 1] = redis.call('ZSCORE', pending, member) or '0'
+  out[#out + 1] = redis.call('ZSCORE', inflight, member) or '0'
 end
-for i = 6, #KEYS do
+for i = first_marker, #KEYS do
   out[#out + 1] = redis.call('GET', KEYS[i]) or ''
 end
 return out
