@@ -69,6 +69,7 @@ test-django60: $(VENV_DJANGO60)/.installed-test
 lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 flush: install
 	$(BIN)/python manage.py notification_update_counter

@@ -7,13 +7,14 @@ SQLite alike) so a million of them take seconds, and deleted the same way.
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
-from django.db import connection
+from django.db import connection, models
 from django.db.models import AutoField, BigAutoField, SmallAutoField
 from django.utils import timezone
 from redis import Redis
 
 from counters.buffer import Buffer
 from counters.models import BufferEpoch, FlushBatch
+from counters.utils import column, model_field
 from notifications.models import Notification, UnreadCounter
 
 _AUTO = (AutoField, BigAutoField, SmallAutoField)
@@ -37,13 +38,13 @@ def user_pattern(prefix: str) -> str:
 
 def _user_columns() -> tuple[str, str, str]:
     """(table, id column, username column) of the user model, quoted."""
-    meta = get_user_model()._meta
-    username = meta.get_field(get_user_model().USERNAME_FIELD)
-    return _qn(meta.db_table), _qn(meta.pk.column), _qn(username.column)
+    model = get_user_model()
+    username = model_field(model, model.USERNAME_FIELD)
+    return _qn(model._meta.db_table), _qn(column(model_field(model, "pk"))), _qn(column(username))
 
 
-def _column(model: type, field: str) -> str:
-    return _qn(model._meta.get_field(field).column)
+def _column(model: type[models.Model], field: str) -> str:
+    return _qn(column(model_field(model, field)))
 
 
 def create_users(prefix: str, count: int) -> list[int]:
@@ -53,7 +54,7 @@ def create_users(prefix: str, count: int) -> list[int]:
     for field in model._meta.concrete_fields:
         if field.primary_key and isinstance(field, _AUTO):
             continue
-        columns.append(_qn(field.column))
+        columns.append(_qn(column(field)))
         if field.name == model.USERNAME_FIELD:
             values.append("%s || CAST(s.i AS TEXT)")
             params.append(f"{prefix}-u")

@@ -23,7 +23,7 @@ from counters.apply import CHUNK
 from counters.buffer import Buffer
 from counters.models import FlushBatch
 from counters.registry import get_spec
-from counters.utils import batched
+from counters.utils import batched, column, model_field
 from notifications.apps import UNREAD_COUNTER
 
 from .errors import BenchError
@@ -90,8 +90,8 @@ def raw_batches(deltas: Mapping[int, int], batch_size: int) -> list[list[str]]:
     spec = get_spec(UNREAD_COUNTER)
     qn = connection.ops.quote_name
     table = qn(spec.model._meta.db_table)
-    key = qn(spec.key_model_field.column)
-    value = qn(spec.model._meta.get_field(spec.value_field).column)
+    key = qn(column(spec.key_model_field))
+    value = qn(column(model_field(spec.model, spec.value_field)))
     batches = []
     for batch in batched(list(deltas.items()), batch_size):
         by_delta: dict[int, list[int]] = defaultdict(list)

@@ -6,6 +6,7 @@ import os
 import platform
 import sqlite3
 from dataclasses import dataclass
+from typing import Any
 
 import django
 from django.db import connection
@@ -19,8 +20,8 @@ class Target:
     op: str
     threshold: float
 
-    def check(self, results: dict) -> dict | None:
-        value = results
+    def check(self, results: dict[str, Any]) -> dict[str, Any] | None:
+        value: Any = results
         for part in self.path:
             if not isinstance(value, dict) or part not in value:
                 return None

@@ -6,6 +6,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import cast
 
 from django.conf import settings
 from django.test.utils import override_settings
@@ -23,11 +24,14 @@ from .errors import BenchError
 
 def pending_total(buffer: Buffer) -> int:
     """Sum of every pending delta in ``buffer``."""
-    return sum(
-        int(score)
-        for shard in range(buffer.shards)
-        for _, score in buffer.client.zrange(buffer.key(shard, "pending"), 0, -1, withscores=True)
-    )
+    total = 0
+    for shard in range(buffer.shards):
+        pairs = cast(
+            list[tuple[bytes, float]],
+            buffer.client.zrange(buffer.key(shard, "pending"), 0, -1, withscores=True),
+        )
+        total += sum(int(score) for _, score in pairs)
+    return total
 
 
 def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:

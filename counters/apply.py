@@ -15,12 +15,12 @@ import sqlite3
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from django.db import connections, models
 
 from .registry import CounterSpec, get_spec
-from .utils import batched
+from .utils import LOG_DELTAS, batched, model_field, target_field
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _alive(spec: CounterSpec, keys: list, using: str) -> set:
     target = spec.target_model
     if target is None:
         return set(keys)
-    to_field = spec.key_model_field.remote_field.field_name
+    to_field: str = cast(Any, spec.key_model_field.remote_field).field_name
     alive: set = set()
     for chunk in batched(keys, CHUNK):
         alive.update(
@@ -79,13 +79,13 @@ class _Names:
         field = spec.key_model_field
         self.table = qn(meta.db_table)
         self.key = qn(field.column)
-        self.value = qn(meta.get_field(spec.value_field).column)
+        self.value = qn(model_field(spec.model, spec.value_field).column)
         # The key's column type, for the array cast (an AutoField's is "integer").
         self.key_type = field.db_type(conn) if field.is_relation else field.rel_db_type(conn)
         self.parent = self.parent_key = None
         if spec.target_model is not None:
             self.parent = qn(spec.target_model._meta.db_table)
-            self.parent_key = qn(field.target_field.column)
+            self.parent_key = qn(target_field(field).column)
         # A row may hold several counters: a new one gets the other columns' defaults.
         value_field = meta.get_field(spec.value_field)
         self.others = [
@@ -278,7 +278,7 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
             "dropped deltas of %s vanished %s keys: %s",
             len(dropped),
             spec.name,
-            sorted(dropped)[:20],
+            sorted(dropped)[:LOG_DELTAS],
         )
     return Applied(
         keys=len(keyed) - len(dropped),

@@ -34,6 +34,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from redis import Redis
 from redis.commands.core import Script
@@ -304,7 +305,7 @@ def _int(value: bytes | str | float | int) -> int:
     try:
         return int(value)  # b"12" and "12" parse directly
     except ValueError:
-        return int(float(to_str(value)))  # Redis writes large scores as 1.5e+17
+        return int(float(to_str(value) if isinstance(value, bytes | str) else value))  # 1.5e+17
 
 
 class Buffer:
@@ -583,7 +584,7 @@ class Buffer:
             for shard, group in by_shard.items()
         ]
         replies = self._run(self._requeue, calls)
-        requeued, refused = 0, []
+        requeued, refused = 0, cast(list[Quarantined], [])
         for group, reply in zip(by_shard.values(), replies, strict=True):
             fields = {e.field: e for e in group}
             if not (isinstance(reply, list) and reply and isinstance(reply[0], int)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from django.core.checks import Error, Tags, Warning, register
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
 from . import conf
 
@@ -73,7 +73,7 @@ def check_trackers(app_configs=None, **kwargs):
     from .queryset import CountedQuerySet
     from .tracking import all_trackers, uncounted_manager
 
-    messages = []
+    messages: list[CheckMessage] = []
     for model in dict.fromkeys(t.model for t in all_trackers()):
         problem = uncounted_manager(model)
         if problem:

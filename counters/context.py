@@ -44,8 +44,8 @@ def is_paused() -> bool:
 @contextmanager
 def counted_rows(model: type[models.Model], pks: Iterable[Any]) -> Iterator[None]:
     """Rows ``pks`` of ``model`` are counted by the caller while the block runs."""
-    concrete = model._meta.concrete_model
-    current = _counted.get() or {}
+    concrete = model._meta.concrete_model or model
+    current: dict[type[models.Model], frozenset[Any]] = _counted.get() or {}
     merged = {**current, concrete: current.get(concrete, frozenset()) | frozenset(pks)}
     token = _counted.set(merged)
     try:
@@ -56,4 +56,4 @@ def counted_rows(model: type[models.Model], pks: Iterable[Any]) -> Iterator[None
 
 def already_counted(model: type[models.Model], pk: Any) -> bool:
     rows = _counted.get()
-    return bool(rows) and pk in rows.get(model._meta.concrete_model, ())
+    return rows is not None and pk in rows.get(model._meta.concrete_model or model, ())

@@ -34,7 +34,7 @@ from django.db import connections, models, router, transaction
 
 from .context import already_counted, is_paused
 from .tracking import touches, tracked_fields, trackers_for
-from .utils import batched
+from .utils import batched, concrete_model, target_field
 from .where import is_expression, python_value
 from .writes import add_many
 
@@ -180,11 +180,11 @@ def before_save(
                 sender._meta.label,
                 instance.pk,
             )
-            found = read_rows(sender, [instance.pk], using)
-            old = found[0] if found else None
+            rows = read_rows(sender, [instance.pk], using)
+            old = rows[0] if rows else None
         else:
-            found = locked_rows(plain(sender, using).filter(pk=instance.pk))
-            old = found[0][1] if found else None
+            locked = locked_rows(plain(sender, using).filter(pk=instance.pk))
+            old = locked[0][1] if locked else None
     instance.__dict__[_SAVING] = (using, old)
 
 
@@ -263,18 +263,20 @@ def _cascaded_row(model: type[models.Model], instance: models.Model, using: str,
         if parent is None or not isinstance(origin, parent):
             continue
         attname = tracker.key_field.attname
-        value = getattr(origin, tracker.key_field.target_field.attname)
+        value = getattr(origin, target_field(tracker.key_field).attname)
         if value is None or instance.__dict__.get(attname) != value:
             continue
         block = conn.atomic_blocks[-1]
+        cache: tuple[Any, dict[tuple[Any, ...], dict[Any, Any]]] | None
         cache = conn.__dict__.get(_CASCADE)
         if cache is None or cache[0] is not block:
             cache = conn.__dict__[_CASCADE] = (block, {})
-        concrete = model._meta.concrete_model
-        rows = cache[1].get((concrete, attname, value))
+        concrete = concrete_model(model)
+        parents: dict[tuple[Any, ...], dict[Any, Any]] = cache[1]
+        rows = parents.get((concrete, attname, value))
         if rows is None:
             children = plain(concrete, using).filter(**{attname: value})
-            rows = cache[1][(concrete, attname, value)] = dict(locked_rows(children))
+            rows = parents[(concrete, attname, value)] = dict(locked_rows(children))
         return rows.pop(instance.pk, _UNKNOWN)
     return _UNKNOWN
 

@@ -96,8 +96,8 @@ def check_epoch(buffer: Buffer, shard: int, using: str = DEFAULT_DB_ALIAS) -> Ep
     Call under the shard's lease. A loss is recorded and the sequences are
     re-aligned before this returns.
     """
-    token, redis_seq = buffer.client.mget(buffer.key(shard, "epoch"), buffer.key(shard, "seq"))
-    token, redis_seq = to_str(token), int(redis_seq or 0)
+    raw_token, raw_seq = buffer.client.mget(buffer.key(shard, "epoch"), buffer.key(shard, "seq"))
+    token, redis_seq = to_str(raw_token), int(raw_seq or 0)
     epochs = BufferEpoch.objects.using(using)
     row = epochs.filter(prefix=buffer.prefix, shard=shard).first()
     if row is not None and token == row.token and redis_seq >= row.seq:

@@ -51,7 +51,7 @@ from .buffer import Batch, Buffer
 from .epoch import check_epoch, record_applied, record_loss
 from .lease import Lease
 from .models import FlushBatch
-from .utils import first_line
+from .utils import capped, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +208,7 @@ def flush_shard(
         target = buffer.pending_count(shard)
         moved = 0
         narrowed: Batch | None = None
+        batch: Batch | None
         # Members narrowed batches sent back to pending: each group is moved by itself
         # next, so that a poison delta is found in halvings, not mixed with new deltas.
         returned: list[list[str]] = []
@@ -304,7 +305,7 @@ def isolate(buffer: Buffer, batch: Batch, exc: Exception, result: FlushResult) -
         len(batch.items),
         batch.shard,
         error,
-        dict(list(sorted(batch.items.items()))[:5]),
+        capped(dict(sorted(batch.items.items()))),
     )
     return None
 

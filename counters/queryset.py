@@ -12,8 +12,8 @@ behave exactly like Django's.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, cast
 
 from django.db import NotSupportedError, models, transaction
 
@@ -21,14 +21,14 @@ from .context import counted_rows, is_paused
 from .counting import instance_row, locked_rows, plain, read_rows
 from .signals import rows_changed
 from .tracking import touches, tracked_fields, trackers_for
-from .utils import batched
+from .utils import batched, model_field
 from .where import is_expression, python_value
 
 #: Largest IN list of primary keys in one statement.
 CHUNK = 2000
 
 
-class CountedQuerySet(models.QuerySet):
+class CountedQuerySet(models.QuerySet[Any, Any]):
     """A QuerySet whose writes keep the counters of its model exact. Subclass it freely."""
 
     def _write_db(self) -> str:
@@ -39,7 +39,7 @@ class CountedQuerySet(models.QuerySet):
         model = self.model
         if is_paused() or not touches(model, kwargs):
             return super().update(**kwargs)
-        self._not_support_combined_queries("update")
+        cast(Any, self)._not_support_combined_queries("update")
         if self.query.is_sliced:
             raise TypeError("Cannot update a query once a slice has been taken.")
         using = self._write_db()
@@ -66,12 +66,12 @@ class CountedQuerySet(models.QuerySet):
         model = self.model
         if is_paused() or not trackers_for(model):
             return super().delete()
-        self._not_support_combined_queries("delete")
+        cast(Any, self)._not_support_combined_queries("delete")
         if self.query.is_sliced:
             raise TypeError("Cannot use 'limit' or 'offset' with delete().")
         if self.query.distinct_fields:
             raise TypeError("Cannot call delete() after .distinct(*fields).")
-        if self._fields is not None:
+        if cast(Any, self)._fields is not None:
             raise TypeError("Cannot call delete() after .values() or .values_list()")
         using = self._write_db()
         total = 0
@@ -97,15 +97,15 @@ class CountedQuerySet(models.QuerySet):
 
     def bulk_create(
         self,
-        objs: Iterable[models.Model],
+        objs: Iterable[Any],
         batch_size: int | None = None,
         ignore_conflicts: bool = False,
         update_conflicts: bool = False,
-        update_fields: list[str] | None = None,
-        unique_fields: list[str] | None = None,
-    ) -> list[models.Model]:
+        update_fields: Collection[str] | None = None,
+        unique_fields: Collection[str] | None = None,
+    ) -> list[Any]:
         model = self.model
-        options = {
+        options: dict[str, Any] = {
             "batch_size": batch_size,
             "ignore_conflicts": ignore_conflicts,
             "update_conflicts": update_conflicts,
@@ -150,7 +150,7 @@ def _updated(
     tracked = {f.attname for f in tracked_fields(model)}
     changes: dict[str, Any] = {}
     for name, value in kwargs.items():
-        field = model._meta.get_field(name)
+        field = model_field(model, name)
         if field.attname not in tracked:
             continue
         if is_expression(value):

@@ -31,6 +31,7 @@ from .client import get_buffer
 from .exceptions import BufferUnavailable, InconsistentRead
 from .lease import Lease
 from .registry import CounterSpec, get_spec
+from .utils import column, model_field
 
 logger = logging.getLogger(__name__)
 
@@ -204,11 +205,11 @@ def _read_rows(spec: CounterSpec, keys: list, batch_ids: set[str], using: str) -
     conn = connections[using]
     qn = conn.ops.quote_name
     table = qn(model._meta.db_table)
-    key_col = qn(spec.key_model_field.column)
-    value_col = qn(model._meta.get_field(spec.value_field).column)
+    key_col = qn(column(spec.key_model_field))
+    value_col = qn(column(model_field(model, spec.value_field)))
     ledger = qn(FlushBatch._meta.db_table)
-    ledger_pk = qn(FlushBatch._meta.pk.column)
-    unsettled_col = qn(FlushBatch._meta.get_field("unsettled").column)
+    ledger_pk = qn(column(model_field(FlushBatch, "pk")))
+    unsettled_col = qn(column(model_field(FlushBatch, "unsettled")))
     ids = sorted(batch_ids)
     sql = (
         f"SELECT {key_col}, {value_col}, NULL, NULL FROM {table} "

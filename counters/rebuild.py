@@ -29,7 +29,7 @@ from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import BufferUnavailable, CountersError, RebuildRunning
 from .lease import Lease
-from .registry import CounterSpec, all_specs, get_spec
+from .registry import CounterSpec, TruthSource, all_specs, get_spec
 from .utils import batched
 from .writes import add_many
 
@@ -88,6 +88,12 @@ class RebuildReport:
         return data
 
 
+def _source(spec: CounterSpec) -> TruthSource:
+    if spec.source is None:
+        raise NoTruthSource(spec.name)
+    return spec.source
+
+
 def _pages(
     spec: CounterSpec, keys: Iterable[Any] | None, size: int, using: str
 ) -> Iterator[list[Any]]:
@@ -95,7 +101,7 @@ def _pages(
         yield from batched(keys, size)
         return
     after = None
-    while page := spec.source.keys_after(after, size, using=using):
+    while page := _source(spec).keys_after(after, size, using=using):
         yield page
         after = page[-1]
 
@@ -108,9 +114,9 @@ def _drifts(spec: CounterSpec, page: list[Any], using: str) -> tuple[dict[Any, D
     between (whose delta may or may not have reached Redis yet) shows as a
     moved truth, never as drift.
     """
-    before = spec.source.count_for(page, using=using)
+    before = _source(spec).count_for(page, using=using)
     parts = reads.get_parts(spec.name, page, using=using)
-    after = spec.source.count_for(page, using=using)
+    after = _source(spec).count_for(page, using=using)
     drifts, moved = {}, set()
     for key in page:
         truth = int(before.get(key, 0))

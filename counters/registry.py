@@ -10,10 +10,10 @@ from typing import Any, Protocol
 from django.apps import apps
 from django.core import validators
 from django.core.exceptions import ValidationError
-from django.db import models
+from django.db import DEFAULT_DB_ALIAS, models
 
 from .exceptions import InvalidKey, UnknownCounter
-from .utils import to_str
+from .utils import model_field, target_field, to_str
 
 
 class TruthSource(Protocol):
@@ -23,18 +23,20 @@ class TruthSource(Protocol):
     truth must be read from that database.
     """
 
-    def keys_after(self, after: Any | None, limit: int, *, using: str) -> list[Any]:
+    def keys_after(
+        self, after: Any | None, limit: int, *, using: str = DEFAULT_DB_ALIAS
+    ) -> list[Any]:
         """Up to ``limit`` keys greater than ``after`` (None: from the start), in order.
 
         Keyset pagination: never OFFSET, so the cost per page stays flat.
         """
         ...
 
-    def count_for(self, keys: list[Any], *, using: str) -> dict[Any, int]:
+    def count_for(self, keys: list[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict[Any, int]:
         """The true value of each key (keys left out are 0)."""
         ...
 
-    def estimate(self, *, using: str) -> int:
+    def estimate(self, *, using: str = DEFAULT_DB_ALIAS) -> int:
         """About how many keys ``keys_after`` will yield in all (for progress)."""
         ...
 
@@ -61,9 +63,8 @@ class CounterSpec:
         return apps.get_model(self.model_label)
 
     @cached_property
-    def key_model_field(self) -> models.Field:
-        meta = self.model._meta
-        return meta.pk if self.key_field == "pk" else meta.get_field(self.key_field)
+    def key_model_field(self) -> models.Field[Any, Any]:
+        return model_field(self.model, self.key_field)
 
     @cached_property
     def key_attname(self) -> str:
@@ -83,7 +84,7 @@ class CounterSpec:
         else the field's ``to_python``.
         """
         field = self.key_model_field
-        target = field.target_field if field.is_relation else field
+        target = target_field(field) if field.is_relation else field
         if not isinstance(target, models.IntegerField):  # Auto and BigAuto fields are
             return field.to_python
 
@@ -99,7 +100,7 @@ class CounterSpec:
     def _bounds(self) -> list[Callable[[Any], None]]:
         """The key field's range and length validators: a key outside them cannot be stored."""
         field = self.key_model_field
-        target = field.target_field if field.is_relation else field
+        target = target_field(field) if field.is_relation else field
         kinds = (
             validators.MinValueValidator,
             validators.MaxValueValidator,

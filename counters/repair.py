@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from django.db import DEFAULT_DB_ALIAS
 from redis import RedisError
@@ -84,8 +84,8 @@ def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int = 10
     raw = buffer.client.srandmember(key, limit)
     if not raw:
         return 0
-    by_counter: dict[str, dict[Any, str]] = {}
-    for member in raw:
+    by_counter: dict[str, dict[Any, bytes]] = {}
+    for member in cast(list[bytes], raw):
         try:
             spec, counter_key = parse_member(member)
         except (UnknownCounter, ValueError, TypeError) as exc:

@@ -38,7 +38,7 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
     )
     for row in rows.order_by("applied_at")[:limit]:
         push_id = row.batch_id.removeprefix(FALLBACK_PREFIX)
-        deltas: dict[str, int] = row.unsettled
+        deltas: dict[str, int] = row.unsettled or {}
         landed = buffer.fence(deltas, push_id)
         if landed:
             undo = {m: -d for m, d in deltas.items() if buffer.shard_of(m) in landed}
@@ -79,7 +79,7 @@ def take_back(buffer: Buffer, undo: dict[str, int], undo_id: str, using: str) ->
     ledger = FlushBatch.objects.using(using)
     if ledger.filter(pk=batch_id).exists():
         return True  # taken back in the DB already: pushing it now would take it twice
-    rest, direct = dict(undo), {}
+    rest, direct = dict(undo), dict[str, int]()
     try:
         push_exact(buffer, rest, direct, undo_id)
     except (RedisConnectionError, RedisTimeoutError):

@@ -66,14 +66,14 @@ def last_flush(buffer: Buffer) -> dict[str, Any] | None:
 
 def ledger_status(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     rows = FlushBatch.objects.using(using)
-    by_kind = {
-        row["kind"]: row
+    by_kind: dict[str, dict[str, Any]] = {
+        row["kind"]: dict(row)
         for row in rows.values("kind").annotate(
             batches=Count("pk"), dropped=Sum("dropped"), last=Max("applied_at")
         )
     }
-    fallback = by_kind.get(FlushBatch.Kind.FALLBACK, {})
-    flushed = by_kind.get(FlushBatch.Kind.FLUSH, {})
+    fallback: dict[str, Any] = by_kind.get(FlushBatch.Kind.FALLBACK, {})
+    flushed: dict[str, Any] = by_kind.get(FlushBatch.Kind.FLUSH, {})
     return {
         "batches_in_ledger": flushed.get("batches", 0),
         "last_batch_at": flushed["last"].isoformat() if flushed.get("last") else None,

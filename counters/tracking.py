@@ -31,6 +31,7 @@ from django.db.models import Q
 
 from . import registry
 from .exceptions import TrackingError
+from .utils import concrete_model, related_model, target_field
 from .where import Predicate, WhereError, compile_where
 
 logger = logging.getLogger(__name__)
@@ -114,18 +115,18 @@ _names: dict[type[models.Model], frozenset[str]] = {}
 
 def trackers_for(model: type[models.Model]) -> tuple[Tracker, ...]:
     """The trackers whose source is ``model`` (or the concrete model of a proxy)."""
-    return _by_model.get(model._meta.concrete_model, ())
+    return _by_model.get(concrete_model(model), ())
 
 
 def tracked_fields(model: type[models.Model]) -> tuple[models.Field, ...]:
     """The fields a counted path reads from rows of ``model``, in a fixed order."""
-    return _fields.get(model._meta.concrete_model, ())
+    return _fields.get(concrete_model(model), ())
 
 
 def touches(model: type[models.Model], names: Iterable[str]) -> bool:
     """Whether changing fields ``names`` (names or attnames) can change a counter."""
-    tracked = _names.get(model._meta.concrete_model)
-    return bool(tracked) and not tracked.isdisjoint(names)
+    tracked = _names.get(concrete_model(model))
+    return tracked is not None and not tracked.isdisjoint(names)
 
 
 def get_tracker(name: str) -> Tracker:
@@ -269,7 +270,7 @@ def _column(name: str, model: type[models.Model], field_name: str, role: str) ->
         raise TrackingError(
             "counters.E010", name, f"{role} {field_name!r}: {model._meta.label} has no such field"
         ) from None
-    if not getattr(field, "concrete", False) or field.many_to_many:
+    if not isinstance(field, models.Field) or not field.concrete or field.many_to_many:
         raise TrackingError(
             "counters.E010", name, f"{role} {field_name!r} is not a column of {model._meta.label}"
         )
@@ -311,12 +312,12 @@ def _into_key(
         f for f in meta.concrete_fields if f.unique and not f.primary_key and f is not value_field
     ]
     if key_field.is_relation:
-        parent = key_field.related_model._meta.concrete_model
+        parent = concrete_model(related_model(key_field))
         for field in candidates:
             if (
                 field.is_relation
-                and field.related_model._meta.concrete_model is parent
-                and field.target_field.attname == key_field.target_field.attname
+                and concrete_model(related_model(field)) is parent
+                and target_field(field).attname == target_field(key_field).attname
             ):
                 return field
         raise TrackingError(

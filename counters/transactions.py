@@ -169,12 +169,13 @@ def install(conn: BaseDatabaseWrapper) -> None:
         if sid is not None:
             state.released(sid)
 
-    conn.commit = counted_commit
-    conn.rollback = counted_rollback
-    conn.close = counted_close
-    conn.savepoint = counted_savepoint
-    conn.savepoint_rollback = counted_savepoint_rollback
-    conn.savepoint_commit = counted_savepoint_commit
+    wrapped: Any = conn  # the connection's own methods are replaced, on this instance only
+    wrapped.commit = counted_commit
+    wrapped.rollback = counted_rollback
+    wrapped.close = counted_close
+    wrapped.savepoint = counted_savepoint
+    wrapped.savepoint_rollback = counted_savepoint_rollback
+    wrapped.savepoint_commit = counted_savepoint_commit
 
 
 def record(deltas: Mapping[str, int], using: str, send: Sender) -> None:
@@ -194,7 +195,7 @@ def record(deltas: Mapping[str, int], using: str, send: Sender) -> None:
     if in_atomic and not state.callback_queued:
         state.callback_queued = True
         # No savepoint ids: rolled-back savepoints are handled by ``state``.
-        conn.run_on_commit.append((set(), lambda: _deliver(conn, state), True))
+        conn.run_on_commit.append((set(), lambda: _deliver(conn, state), True))  # type: ignore[arg-type]  # robust
 
 
 def unsent(members: Iterable[str], using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import DEFAULT_DB_ALIAS, models
 
+from .utils import target_field
+
 if TYPE_CHECKING:
     from .tracking import Tracker
 
@@ -35,14 +37,15 @@ class QueryTruth:
     ) -> list[Any]:
         parent = self.tracker.parent_model
         if parent is not None:
-            column = self.tracker.key_field.target_field.attname
-            keys = models.QuerySet(parent, using=using).order_by(column)
+            column = target_field(self.tracker.key_field).attname
+            keys: models.QuerySet[Any, Any] = models.QuerySet(parent, using=using)
+            keys = keys.order_by(column)
             if after is not None:
                 keys = keys.filter(**{f"{column}__gt": after})
             return list(keys.values_list(column, flat=True)[:limit])
         found = set(self._distinct(self._rows(using), self.tracker.key_field.attname, after, limit))
         spec = self.tracker.spec
-        counted = models.QuerySet(spec.model, using=using)
+        counted: models.QuerySet[Any, Any] = models.QuerySet(spec.model, using=using)
         found.update(self._distinct(counted, spec.key_attname, after, limit))
         return sorted(found)[:limit]
 

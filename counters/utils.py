@@ -2,7 +2,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from itertools import islice
-from typing import TypeVar, overload
+from typing import Any, TypeVar, cast, overload
+
+from django.db import models
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -40,3 +42,37 @@ def to_str(value: None) -> None: ...
 def to_str(value: bytes | str | None) -> str | None:
     """``value`` as a str: Redis replies are bytes unless the client decodes them."""
     return value.decode() if isinstance(value, bytes) else value
+
+
+def target_field(field: models.Field[Any, Any]) -> models.Field[Any, Any]:
+    """The field a relation ``field`` points to (``ForeignKey.target_field``)."""
+    return cast("models.Field[Any, Any]", cast(Any, field).target_field)
+
+
+def model_field(model: type[models.Model], name: str) -> models.Field[Any, Any]:
+    """``model``'s concrete field ``name`` (``"pk"``: its primary key), typed as a Field."""
+    meta = model._meta
+    found = meta.pk if name == "pk" else meta.get_field(name)
+    if not isinstance(found, models.Field):
+        raise TypeError(f"{meta.label}.{name} is a reverse relation, not a field")
+    return found
+
+
+def concrete_model(model: type[models.Model]) -> type[models.Model]:
+    """The concrete model whose table holds ``model``'s rows (itself unless a proxy)."""
+    return model._meta.concrete_model or model
+
+
+def related_model(field: models.Field[Any, Any]) -> type[models.Model]:
+    """The model a relation ``field`` points to."""
+    related = field.related_model
+    if not isinstance(related, type):
+        raise TypeError(f"{field} is not a resolved relation")
+    return related
+
+
+def column(field: models.Field[Any, Any]) -> str:
+    """The database column of a concrete ``field``."""
+    if field.column is None:
+        raise TypeError(f"{field} has no column")
+    return field.column

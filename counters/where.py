@@ -26,6 +26,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from .utils import target_field
+
 Row = Mapping[str, Any]
 Predicate = Callable[[Row], bool]
 
@@ -72,7 +74,7 @@ def python_value(field: models.Field, value: Any) -> Any:
     if value is None:
         return None
     if field.is_relation and isinstance(value, models.Model):
-        value = getattr(value, field.target_field.attname)
+        value = getattr(value, target_field(field).attname)
     value = field.to_python(value)
     if (
         isinstance(value, datetime)
@@ -124,15 +126,17 @@ def _leaf(model: type[models.Model], child: Any, attnames: set[str]) -> Predicat
     name, _, lookup = path.partition("__")
     lookup = lookup or "exact"
     try:
-        field = model._meta.get_field(name)
+        found = model._meta.get_field(name)
     except FieldDoesNotExist:
         raise WhereError(
             f"{model._meta.label} has no field {name!r} (in where {path!r})", unknown_field=True
         ) from None
-    if not getattr(field, "concrete", False) or field.many_to_many:
+    if not isinstance(found, models.Field) or not found.concrete or found.many_to_many:
         raise WhereError(f"where {path!r}: {name!r} is not a column of {model._meta.label}")
+    field = found
     if lookup not in LOOKUPS:
-        if "__" in lookup or (field.is_relation and _is_field(field.related_model, lookup)):
+        related = field.related_model
+        if "__" in lookup or (isinstance(related, type) and _is_field(related, lookup)):
             raise WhereError(
                 f"where {path!r} follows a relation: it cannot be decided from a row's own "
                 f"values (compare {field.attname!r} instead)"

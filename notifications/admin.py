@@ -9,7 +9,7 @@ from django.contrib.admin.views.main import ChangeList
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from .models import Notification, UnreadCounter
+from .models import Notification, NotificationQuerySet, UnreadCounter
 from .repair import repair_users, truth_counts
 
 
@@ -29,12 +29,12 @@ class NotificationAdmin(admin.ModelAdmin):
     # delete view (delete()) use the counted paths of the model and queryset.
 
     @admin.action(description="Mark selected notifications read")
-    def mark_read(self, request: HttpRequest, queryset: QuerySet[Notification]) -> None:
+    def mark_read(self, request: HttpRequest, queryset: NotificationQuerySet) -> None:
         changed = queryset.mark_all_read()
         self.message_user(request, f"{changed} notifications marked read.", messages.SUCCESS)
 
     @admin.action(description="Mark selected notifications unread")
-    def mark_unread(self, request: HttpRequest, queryset: QuerySet[Notification]) -> None:
+    def mark_unread(self, request: HttpRequest, queryset: NotificationQuerySet) -> None:
         changed = queryset.mark_all_unread()
         self.message_user(request, f"{changed} notifications marked unread.", messages.SUCCESS)
 
@@ -66,14 +66,16 @@ class UnreadCounterAdmin(admin.ModelAdmin):
         return CounterChangeList
 
     def _exact(self, obj: UnreadCounter) -> int:
-        if not hasattr(obj, "exact_value"):
-            obj.exact_value = obj.exact()
-        return obj.exact_value
+        cached = obj.__dict__  # one reading per row and request
+        if "exact_value" not in cached:
+            cached["exact_value"] = obj.exact()
+        return int(cached["exact_value"])
 
     def _truth(self, obj: UnreadCounter) -> int:
-        if not hasattr(obj, "truth_value"):
-            obj.truth_value = truth_counts([obj.pk])[obj.pk]
-        return obj.truth_value
+        cached = obj.__dict__
+        if "truth_value" not in cached:
+            cached["truth_value"] = truth_counts([obj.pk])[obj.pk]
+        return int(cached["truth_value"])
 
     @admin.display(description="stored", ordering="count")
     def stored(self, obj: UnreadCounter) -> int:

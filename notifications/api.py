@@ -47,11 +47,15 @@ class _CsrfCheck(CsrfViewMiddleware):
         return error(403, f"CSRF check failed: {reason}")
 
 
+def _no_view(request: HttpRequest) -> HttpResponse:
+    raise AssertionError("only the CSRF check runs")
+
+
 def csrf_failure(request: HttpRequest) -> HttpResponse | None:
     """The 403 response if the request fails Django's CSRF check, else None."""
     check = _CsrfCheck(lambda req: HttpResponse())
     check.process_request(request)
-    return check.process_view(request, None, (), {})
+    return check.process_view(request, _no_view, (), {})
 
 
 def allowed_methods(methods: tuple[str, ...]) -> list[str]:
@@ -133,7 +137,7 @@ def serialize(n: Notification) -> dict[str, Any]:
         "id": n.pk,
         "verb": n.verb,
         "description": n.description,
-        "actor": n.actor.get_username() if n.actor_id else None,
+        "actor": n.actor.get_username() if n.actor is not None else None,
         "created_at": n.created_at.isoformat(),
         "is_read": n.is_read,
         "read_at": n.read_at.isoformat() if n.read_at else None,

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from .models import Notification, UnreadCounter
+from .models import Notification, NotificationQuerySet, UnreadCounter
 
 #: Largest value of a 64-bit signed primary key.
 MAX_ID = 2**63 - 1
@@ -57,7 +57,7 @@ def parse_bool(raw: str | None, param: str) -> bool | None:
     raise BadInput(param, "must be true or false")
 
 
-def own(user: Any) -> QuerySet[Notification]:
+def own(user: Any) -> NotificationQuerySet:
     """The user's notifications, newest first, with their actor."""
     return Notification.objects.filter(recipient=user).select_related("actor")
 

@@ -17,7 +17,9 @@ CONFIRM_DELAY = 0.5
 def truth_counts(user_ids: Iterable[Any]) -> dict[Any, int]:
     """``COUNT(*)`` of unread notifications per user (0 for users with none)."""
     ids = list(user_ids)
-    found = get_spec(UNREAD_COUNTER).source.count_for(ids)
+    source = get_spec(UNREAD_COUNTER).source
+    assert source is not None, "the unread counter is tracked: it has a truth source"
+    found = source.count_for(ids)
     return {pk: found.get(pk, 0) for pk in ids}
 
 

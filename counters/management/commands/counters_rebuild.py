@@ -142,7 +142,7 @@ class Command(OneLineFailures):
         self.report(reports, options["json"])
         prefix = api.get_buffer(using).prefix
         repaired = full and needed and not epoch.rebuild_needed_since(prefix, using)
-        if repaired and not options["json"]:
+        if repaired and needed is not None and not options["json"]:
             self.stdout.write(f"the Redis data loss seen since {needed.isoformat()} is repaired")
         if options["dry_run"] and any(r.wrong for r in reports):
             sys.exit(DRIFT_FOUND)

@@ -74,7 +74,7 @@ class Command(BaseCommand):
             now = timezone.now()
             rows = []
             for user in users:
-                others = [u for u in users if u.pk != user.pk] or [None]
+                others: list[Any] = [u for u in users if u.pk != user.pk] or [None]
                 for _ in range(per_user):
                     verb, description = rng.choice(EVENTS)
                     created = now - timedelta(minutes=rng.randint(1, 60 * 24 * 14))
