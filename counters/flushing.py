@@ -21,6 +21,7 @@ from . import conf, quarantine
 from .buffer import Buffer
 from .client import databases, get_buffer
 from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning
+from .rebuild import rebuild_all, repair_queued
 from .settle import settle_fallbacks
 from .utils import first_line
 
@@ -51,7 +52,6 @@ def flush(
     :class:`FlushFailed` (carrying the result) when some shards failed.
     """
     from .flusher import flush as run_flush
-    from .rebuild import repair_queued
 
     if using is None:
         results = flush_databases(
@@ -156,8 +156,6 @@ def _needed_since(buffer: Buffer, using: str) -> str | None:
 
 def _auto_rebuild(using: str) -> bool:
     """Run the full rebuild after a data loss; False if another one is running."""
-    from .rebuild import rebuild_all
-
     try:
         reports = rebuild_all(using=using)
     except RebuildRunning:

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
@@ -27,9 +27,9 @@ from redis import RedisError
 from . import conf, reads, repair
 from .buffer import Buffer
 from .client import get_buffer
-from .exceptions import BufferUnavailable, CountersError, RebuildRunning
+from .exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
 from .lease import Lease
-from .registry import CounterSpec, TruthSource, all_specs, get_spec
+from .registry import CounterSpec, TruthSource, all_specs, get_spec, parse_member
 from .utils import batched
 from .writes import add_many
 
@@ -200,14 +200,46 @@ def rebuild_lease(buffer: Buffer) -> Lease:
     return Lease(buffer.client, f"{buffer.prefix}:rebuild", conf.lease_timeout() + page)
 
 
-def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> int:
-    """Rebuild the keys that reads found below zero (see ``counters.repair``)."""
-    if not buffer.client.exists(repair.queue_key(buffer)):
+def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int | None = None) -> int:
+    """Rebuild up to ``limit`` keys that reads found below zero; returns how many were repaired.
+
+    The keys wait in ``<prefix>:repair`` (see :mod:`counters.repair`). Every
+    key taken is removed from the queue, repaired or not: a key that kept
+    changing during the rebuild is queued again by its next negative
+    reading, and keys of counters without a truth source cannot be repaired
+    (they are logged). Runs under the rebuild lease, so that no two repairs
+    of one key overlap; returns 0 when a rebuild holds it.
+    """
+    key = repair.queue_key(buffer)
+    if not buffer.client.exists(key):
         return 0
     with rebuild_lease(buffer) as lease:
         if not lease.held:
             return 0  # a rebuild is running; the keys wait for the next flush
-        return repair.repair_queued(buffer, using, limit=conf.batch_size())
+        raw = cast(list[bytes], buffer.client.srandmember(key, limit or conf.batch_size()))
+        if not raw:
+            return 0
+        by_counter: dict[str, dict[Any, bytes]] = {}
+        for member in raw:
+            try:
+                spec, counter_key = parse_member(member)
+            except (UnknownCounter, ValueError, TypeError) as exc:
+                logger.warning("dropping unknown repair entry %r: %s", member[:200], exc)
+                continue
+            if spec.source is None:
+                logger.warning(
+                    "counter %s has no truth source; cannot repair %r", spec.name, member
+                )
+                continue
+            by_counter.setdefault(spec.name, {})[counter_key] = member
+        repaired = 0
+        for name, members in by_counter.items():
+            report = rebuild(name, keys=list(members), using=using)
+            repaired += report.repaired
+            if report.wrong or report.unstable:
+                logger.warning("repair of keys read below zero: %s", report.summary())
+        buffer.client.srem(key, *raw)
+        return repaired
 
 
 def rebuild_all(

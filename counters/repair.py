@@ -5,7 +5,8 @@ shown below zero. A negative reading means the counter drifted (a lost
 increment, then the decrement) or that a decrement reached Redis before the
 increment it follows. The reader gets 0, a WARNING is logged once per key per
 process, and the member goes into the Redis set ``<prefix>:repair``. The next
-flush rebuilds the queued keys of counters that have a truth source; a
+flush rebuilds the queued keys of counters that have a truth source
+(:func:`counters.rebuild.repair_queued`); a
 rebuild repairs only a difference seen twice, so a momentary negative costs
 nothing.
 """
@@ -15,14 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS
 from redis import RedisError
 
 from .buffer import Buffer
-from .exceptions import UnknownCounter
-from .registry import CounterSpec, get_spec, parse_member
+from .registry import CounterSpec, get_spec
 
 logger = logging.getLogger(__name__)
 
@@ -67,42 +66,6 @@ def clamp(
     except RedisError as exc:
         logger.warning("could not queue %s keys of %s for repair: %s", len(members), spec.name, exc)
     return {key: max(0, value) for key, value in values.items()}
-
-
-def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int = 1000) -> int:
-    """Rebuild up to ``limit`` queued keys; returns how many were repaired.
-
-    Every key taken is removed from the queue, repaired or not: a key that
-    kept changing during the rebuild is queued again by its next negative
-    reading, and keys of counters without a truth source cannot be repaired
-    (they are logged). Call under the rebuild lease, so that no two repairs
-    of one key overlap.
-    """
-    from .rebuild import rebuild
-
-    key = queue_key(buffer)
-    raw = buffer.client.srandmember(key, limit)
-    if not raw:
-        return 0
-    by_counter: dict[str, dict[Any, bytes]] = {}
-    for member in cast(list[bytes], raw):
-        try:
-            spec, counter_key = parse_member(member)
-        except (UnknownCounter, ValueError, TypeError) as exc:
-            logger.warning("dropping unknown repair entry %r: %s", member[:200], exc)
-            continue
-        if spec.source is None:
-            logger.warning("counter %s has no truth source; cannot repair %r", spec.name, member)
-            continue
-        by_counter.setdefault(spec.name, {})[counter_key] = member
-    repaired = 0
-    for name, members in by_counter.items():
-        report = rebuild(name, keys=list(members), using=using)
-        repaired += report.repaired
-        if report.wrong or report.unstable:
-            logger.warning("repair of keys read below zero: %s", report.summary())
-    buffer.client.srem(key, *raw)
-    return repaired
 
 
 def queue(buffer: Buffer, name: str, keys: list[Any]) -> None:
