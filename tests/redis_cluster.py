@@ -39,6 +39,11 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
+def _port(fields: list[str]) -> int:
+    """The port of a CLUSTER NODES line ("<id> <ip>:<port>@<bus port> ...")."""
+    return int(fields[1].split("@")[0].rsplit(":", 1)[1])
+
+
 class RedisCluster:
     def __init__(self, nodes: int = NODES, node_timeout_ms: int = 1000) -> None:
         self.ports: list[int] = []
@@ -164,8 +169,8 @@ class RedisCluster:
                 raise TimeoutError("the Redis Cluster did not become ok")
             time.sleep(0.1)
 
-    def _nodes(self) -> list[tuple[int, str]]:
-        """(port, flags) of every node, as a live node sees them."""
+    def _cluster_nodes(self) -> list[list[str]]:
+        """The fields of every line of CLUSTER NODES, as a live node sees them."""
         live = next(p for p, proc in self.procs.items() if proc.poll() is None)
         out = subprocess.run(
             ["redis-cli", "-p", str(live), "cluster", "nodes"],
@@ -174,11 +179,25 @@ class RedisCluster:
             text=True,
             timeout=10,
         ).stdout
-        nodes = []
-        for line in out.strip().splitlines():
-            fields = line.split()
-            nodes.append((int(fields[1].split("@")[0].rsplit(":", 1)[1]), fields[2]))
-        return nodes
+        return [line.split() for line in out.strip().splitlines()]
+
+    def _nodes(self) -> list[tuple[int, str]]:
+        """(port, flags) of every node, as a live node sees them."""
+        return [(_port(fields), fields[2]) for fields in self._cluster_nodes()]
+
+    def replica_of(self, port: int) -> int:
+        """Port of the replica of master ``port``."""
+        lines = self._cluster_nodes()
+        [master_id] = [fields[0] for fields in lines if _port(fields) == port]
+        [replica] = [_port(fields) for fields in lines if fields[3] == master_id]
+        return replica
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP one node: it neither answers nor replicates until :meth:`resume`."""
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGCONT)
 
     def masters(self) -> list[int]:
         """Ports of the nodes that are healthy masters now."""
