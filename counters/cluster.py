@@ -50,8 +50,6 @@ logger = logging.getLogger(__name__)
 
 #: Rounds of one pipeline: the first, and resends of what the cluster redirected.
 ATTEMPTS = 3
-#: Seconds between two refreshes of the slot table after errors (one is enough for a burst).
-REFRESH_INTERVAL = 0.1
 #: Seconds a pooled connection may sit idle before a PING checks it, before the command.
 HEALTH_CHECK_INTERVAL = 30
 #: Commands whose keys follow a script (or its sha) and the number of keys.
@@ -140,7 +138,6 @@ class ClusterClient:
         self.urls = node_urls(url)
         self._cluster: RedisCluster | None = None
         self._lock = threading.Lock()
-        self._refreshed_at = 0.0
         self._encoder = Encoder("utf-8", "strict", False)
 
     # -- the redis-py client ------------------------------------------------
@@ -214,15 +211,22 @@ class ClusterClient:
         return sha
 
     def refresh(self) -> None:
-        """Read the slot table again (at most every REFRESH_INTERVAL s); never raises."""
-        now = time.monotonic()
-        if now - self._refreshed_at < REFRESH_INTERVAL:
-            return
-        self._refreshed_at = now
+        """Read the slot table again from a node that answers; never raises.
+
+        Threads that fail at once refresh once: redis-py skips a refresh that
+        another thread completed while this one waited for it.
+        """
         try:
             self.cluster().nodes_manager.initialize()
         except Exception as exc:  # the next command tries again
             logger.debug("refreshing the Redis Cluster slot table failed: %s", exc)
+
+    def _moved(self, cluster: RedisCluster, reply: MovedError) -> None:
+        """Point the slot of a MOVED reply at the node it names (a full refresh if that fails)."""
+        try:
+            cluster.nodes_manager.move_slot(reply)
+        except Exception:
+            self.refresh()
 
     def close(self) -> None:
         if self._cluster is not None:
@@ -286,7 +290,7 @@ class ClusterClient:
                         next(answers)  # the reply to ASKING
                     reply = replies[i] = next(answers)
                     if isinstance(reply, MovedError):
-                        stale = True
+                        self._moved(cluster, reply)
                         retry.append(i)
                     elif isinstance(reply, AskError):
                         target = cluster.get_node(host=reply.host, port=reply.port)

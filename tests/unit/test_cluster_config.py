@@ -1,14 +1,18 @@
-"""COUNTERS_REDIS_CLUSTER: the setting, its URL check, and a client made without a cluster."""
+"""COUNTERS_REDIS_CLUSTER: the setting, its URL check, a client made without a cluster, and
+what a pipeline split over masters raises."""
 
 from __future__ import annotations
 
 import pytest
 from django.core.checks import Error
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from counters import client as client_module
 from counters import conf
 from counters.checks import check_settings
-from counters.cluster import ClusterClient, NodePipeline, node_urls
+from counters.cluster import ClusterClient, NodePipeline, _outcome, node_urls
 from counters.exceptions import NotConnected
 
 NODES = "redis://127.0.0.1:7000/0, redis://127.0.0.1:7001/0,redis://127.0.0.1:7002"
@@ -102,3 +106,34 @@ def test_the_client_and_buffer_exist_before_any_node_answers(settings, monkeypat
 def test_a_cluster_pipeline_is_never_a_transaction():
     with pytest.raises(ValueError, match="cannot be a transaction"):
         ClusterClient("redis://127.0.0.1:1/0", 0.2).pipeline(transaction=True)
+
+
+# -- what a pipeline split over masters raises ---------------------------------------
+def _not_connected() -> NotConnected:
+    return NotConnected("Error 111 connecting to 127.0.0.1:7000. Connection refused.")
+
+
+def test_nothing_sent_anywhere_is_not_connected():
+    with pytest.raises(NotConnected):
+        _outcome([_not_connected(), _not_connected()], raise_on_error=True)
+
+
+def test_a_master_not_reached_while_others_ran_their_part_may_have_left():
+    """The write path must not take the whole push for unsent: fence it instead."""
+    with pytest.raises(RedisConnectionError, match="1 of 2 commands could not reach") as info:
+        _outcome([1, _not_connected()], raise_on_error=True)
+    assert not isinstance(info.value, NotConnected)
+
+
+def test_a_timeout_after_sending_is_raised_as_it_is():
+    timeout = RedisTimeoutError("Timeout reading from socket")
+    with pytest.raises(RedisTimeoutError) as info:
+        _outcome([_not_connected(), timeout], raise_on_error=True)
+    assert info.value is timeout
+
+
+def test_error_replies_are_raised_or_returned_like_a_pipeline():
+    oom = ResponseError("OOM command not allowed")
+    with pytest.raises(ResponseError):
+        _outcome([1, oom], raise_on_error=True)
+    assert _outcome([1, oom], raise_on_error=False) == [1, oom]
