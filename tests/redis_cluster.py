@@ -87,8 +87,16 @@ class RedisCluster:
     def start(self) -> RedisCluster:
         for port in self.ports:
             self._start_node(port)
-        for port in self.ports:
-            self._wait_ping(port)
+        for i, port in enumerate(list(self.ports)):
+            for _ in range(5):
+                if self._wait_own(port):
+                    break
+                # another process took the port between the check and the bind: move
+                self.procs.pop(port).wait(10)
+                port = self.ports[i] = self._new_port()
+                self._start_node(port)
+            else:
+                raise RuntimeError("could not start a Redis Cluster node on a free port")
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
         subprocess.run(
             [
@@ -127,18 +135,27 @@ class RedisCluster:
                 raise TimeoutError("the replicas of the Redis Cluster did not sync")
             time.sleep(0.1)
 
-    def _wait_ping(self, port: int, timeout: float = 10) -> None:
-        client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    def _new_port(self) -> int:
+        while True:
+            port = cluster_port()
+            if port not in self.ports:
+                return port
+
+    def _wait_own(self, port: int, timeout: float = 10) -> bool:
+        """Until the node on ``port`` answers; False if ours died (its port was taken)."""
+        proc = self.procs[port]
+        client = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
         deadline = time.monotonic() + timeout
         try:
-            while True:
+            while proc.poll() is None:
                 try:
-                    client.ping()
-                    return
+                    # a server answering that is not ours holds the port: ours cannot bind
+                    return int(client.info("server")["process_id"]) == proc.pid
                 except redis.ConnectionError:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.02)
+            return False
         finally:
             client.close()
 
