@@ -36,10 +36,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
-from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+from .cluster import Client
 from .exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
 from .scripts import DrainScript
 from .utils import to_str
@@ -311,7 +311,7 @@ def _int(value: bytes | str | float | int) -> int:
 class Buffer:
     """Pending and in-flight deltas of one key prefix in one Redis."""
 
-    def __init__(self, client: Redis, prefix: str = "counters", shards: int = 16) -> None:
+    def __init__(self, client: Client, prefix: str = "counters", shards: int = 16) -> None:
         if shards < 1:
             raise ValueError("shards must be at least 1")
         self.client = client

@@ -42,10 +42,36 @@ def check_settings(app_configs=None, **kwargs):
                 id="counters.E008",
             )
         )
-    url = conf.redis_url()
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        errors.append(Error(f"COUNTERS_REDIS_URL {url!r} is not a redis URL.", id="counters.E009"))
+    errors.extend(check_redis_url())
     return errors
+
+
+def check_redis_url() -> list[Error]:
+    """E009: a redis URL; with COUNTERS_REDIS_CLUSTER, one or several cluster node URLs."""
+    from .cluster import node_urls
+
+    url = conf.redis_url()
+    try:
+        cluster = conf.redis_cluster()
+    except (TypeError, ValueError):
+        cluster = False
+    if cluster:
+        try:
+            node_urls(url)
+        except ValueError as exc:
+            return [Error(f"COUNTERS_REDIS_URL {url!r}: {exc}.", id="counters.E009")]
+        return []
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return [Error(f"COUNTERS_REDIS_URL {url!r} is not a redis URL.", id="counters.E009")]
+    if "," in url:
+        return [
+            Error(
+                f"COUNTERS_REDIS_URL {url!r} lists several URLs.",
+                hint="A list of nodes names a Redis Cluster: set COUNTERS_REDIS_CLUSTER.",
+                id="counters.E009",
+            )
+        ]
+    return []
 
 
 @register("counters", deploy=True)

@@ -10,90 +10,67 @@ from django.db import DEFAULT_DB_ALIAS, connections, router
 from django.dispatch import receiver
 from redis import Redis
 from redis.backoff import NoBackoff
-from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from . import conf
 from .buffer import Buffer
-from .exceptions import NotConnected
+from .cluster import ClusterClient
+from .connections import TcpConnection, TlsConnection, UnixConnection, connection_class
 
 _lock = threading.Lock()
-_clients: dict[tuple[str, float], Redis] = {}
-_buffers: dict[tuple[str, float, str, int], Buffer] = {}
+_clients: dict[tuple[str, float, bool], Redis | ClusterClient] = {}
+_buffers: dict[tuple[str, float, bool, str, int], Buffer] = {}
 _current: dict[str, Buffer] = {}
 
-
-class _TellsNotSent:
-    """A connection that raises :class:`NotConnected` when a command never left.
-
-    Connecting, and the health-check PING that precedes a command, happen
-    before the command is written: their failures mean "not sent". The write
-    path relies on that to tell a push that failed for sure from one that
-    may still arrive.
-    """
-
-    def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().connect_check_health(*args, **kwargs)  # type: ignore[misc]
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            if isinstance(exc, NotConnected):
-                raise
-            raise NotConnected(str(exc)) from exc
-
-    def check_health(self) -> None:
-        try:
-            super().check_health()  # type: ignore[misc]
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            if isinstance(exc, NotConnected):
-                raise
-            raise NotConnected(f"health check failed: {exc}") from exc
+__all__ = [
+    "ClusterClient",
+    "TcpConnection",
+    "TlsConnection",
+    "UnixConnection",
+    "buffer_prefix",
+    "connection_class",
+    "databases",
+    "get_buffer",
+    "get_client",
+]
 
 
-class TcpConnection(_TellsNotSent, Connection):
-    pass
-
-
-class TlsConnection(_TellsNotSent, SSLConnection):
-    pass
-
-
-class UnixConnection(_TellsNotSent, UnixDomainSocketConnection):
-    pass
-
-
-def connection_class(url: str) -> type[Connection] | type[UnixDomainSocketConnection]:
-    """The connection class for ``url``'s scheme (``redis``, ``rediss`` or ``unix``)."""
-    scheme = url.partition("://")[0].lower()
-    if scheme == "unix":
-        return UnixConnection
-    return TlsConnection if scheme == "rediss" else TcpConnection
-
-
-def get_client(url: str | None = None, timeout: float | None = None) -> Redis:
+def get_client(
+    url: str | None = None, timeout: float | None = None, cluster: bool | None = None
+) -> Redis | ClusterClient:
     """A shared client for ``url`` (default: ``COUNTERS_REDIS_URL``).
+
+    With ``cluster`` (default: ``COUNTERS_REDIS_CLUSTER``) the URL names nodes
+    of a Redis Cluster, one or several comma-separated, and the client is a
+    :class:`~counters.cluster.ClusterClient`.
 
     redis-py's own retries are off: every caller here decides itself whether a
     repeat is safe, and the write path must fall back quickly when Redis is down.
     """
     url = url or conf.redis_url()
     timeout = conf.socket_timeout() if timeout is None else timeout
-    key = (url, timeout)
+    cluster = conf.redis_cluster() if cluster is None else cluster
+    key = (url, timeout, cluster)
     client = _clients.get(key)
     if client is None:
         with _lock:
             client = _clients.get(key)
             if client is None:
-                client = _clients[key] = Redis.from_url(
-                    url,
-                    socket_timeout=timeout,
-                    socket_connect_timeout=timeout,
-                    retry=Retry(NoBackoff(), 0),
-                    health_check_interval=30,
-                    connection_class=connection_class(url),
-                )
+                client = _clients[key] = _make_client(url, timeout, cluster)
     return client
+
+
+def _make_client(url: str, timeout: float, cluster: bool) -> Redis | ClusterClient:
+    if cluster:
+        return ClusterClient(url, timeout)
+    return Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=30,
+        connection_class=connection_class(url),
+    )
 
 
 def get_buffer(using: str = DEFAULT_DB_ALIAS) -> Buffer:
@@ -109,12 +86,12 @@ def get_buffer(using: str = DEFAULT_DB_ALIAS) -> Buffer:
     buffer = _current.get(using)
     if buffer is not None:
         return buffer
-    url, timeout = conf.redis_url(), conf.socket_timeout()
+    url, timeout, cluster = conf.redis_url(), conf.socket_timeout(), conf.redis_cluster()
     prefix, shards = buffer_prefix(using), conf.shards()
-    key = (url, timeout, prefix, shards)
+    key = (url, timeout, cluster, prefix, shards)
     buffer = _buffers.get(key)
     if buffer is None:
-        buffer = _buffers[key] = Buffer(get_client(url, timeout), prefix, shards)
+        buffer = _buffers[key] = Buffer(get_client(url, timeout, cluster), prefix, shards)
     _current[using] = buffer
     return buffer
 

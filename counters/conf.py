@@ -33,6 +33,13 @@ SETTINGS: dict[str, Setting] = {
             "Redis server holding the buffer. Default: the REDIS_URL setting, "
             "else redis://127.0.0.1:6379/0.",
         ),
+        Setting(
+            "COUNTERS_REDIS_CLUSTER",
+            bool,
+            False,
+            "COUNTERS_REDIS_URL names a Redis Cluster: any node, or several node URLs "
+            "comma-separated (a process finds the cluster if one of them answers).",
+        ),
         Setting("COUNTERS_KEY_PREFIX", str, "counters", "Prefix of every Redis key Tally writes."),
         Setting(
             "COUNTERS_SHARDS",
@@ -127,6 +134,10 @@ def redis_url() -> str:
     return get("COUNTERS_REDIS_URL") or getattr(
         django_settings, "REDIS_URL", "redis://127.0.0.1:6379/0"
     )
+
+
+def redis_cluster() -> bool:
+    return bool(get("COUNTERS_REDIS_CLUSTER"))
 
 
 def key_prefix() -> str:

@@ -12,8 +12,7 @@ import secrets
 import time
 from types import TracebackType
 
-from redis import Redis
-
+from .cluster import Client
 from .exceptions import UnexpectedScriptReply
 from .scripts import DrainScript
 
@@ -49,7 +48,7 @@ return 0
 class Lease:
     """``with Lease(client, key, ttl) as lease:`` — ``lease.held`` says if we got it."""
 
-    def __init__(self, client: Redis, key: str, ttl: float) -> None:
+    def __init__(self, client: Client, key: str, ttl: float) -> None:
         self.client = client
         self.key = key
         self.ttl_ms = max(1, int(ttl * 1000))

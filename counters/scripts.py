@@ -16,9 +16,10 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import ResponseError
+
+from .cluster import Client
 
 #: First line of a script Redis runs even at maxmemory (Redis 7 script flags).
 ALLOW_OOM = "#!lua flags=allow-oom\n"
@@ -27,10 +28,10 @@ ALLOW_OOM = "#!lua flags=allow-oom\n"
 PROBE_SCRIPT = ALLOW_OOM + "return 1"
 
 _lock = threading.Lock()
-_flags: weakref.WeakKeyDictionary[Redis, bool] = weakref.WeakKeyDictionary()
+_flags: weakref.WeakKeyDictionary[Client, bool] = weakref.WeakKeyDictionary()
 
 
-def flags_supported(client: Redis) -> bool:
+def flags_supported(client: Client) -> bool:
     """Whether ``client``'s server runs scripts with flags; asked once per client.
 
     Only a refusal of the probe script answers no: a connection error is
@@ -57,7 +58,7 @@ class DrainScript:
     talks to Redis.
     """
 
-    def __init__(self, client: Redis, body: str) -> None:
+    def __init__(self, client: Client, body: str) -> None:
         self.client = client
         self.body = body
         self._script: Script | None = None

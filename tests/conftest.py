@@ -3,6 +3,11 @@
 Integration tests use the real Redis at REDIS_URL and the configured database
 (SQLite by default, PostgreSQL when DATABASE_URL points at it). Each test gets
 its own Redis key prefix, removed afterwards, so runs never see each other.
+
+A module that marks its tests with ``pytest.mark.usefixtures("redis_backend")``
+runs each of them twice: on that single Redis, and on a Redis Cluster of six
+redis-server processes that the suite starts once, at the first test that
+needs it (``-m "not redis_cluster"`` leaves the cluster runs out).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from django.db import connection
 import counters
 from counters import client as client_module
 from counters import conf
+from counters.cluster import ClusterClient
+from tests.redis_cluster import RedisCluster as RedisClusterServer
 
 pytest.register_assert_rewrite("tests.helpers")
 
@@ -27,10 +34,18 @@ def is_postgres() -> bool:
 
 
 def _delete_prefix(client, prefix: str) -> None:
-    # "<prefix>:*" and the buffers of other databases, "<prefix>.<alias>:*"
-    keys = list(client.scan_iter(match=f"{prefix}[:.]*", count=1000))
-    for i in range(0, len(keys), 500):
-        client.delete(*keys[i : i + 500])
+    # "<prefix>:*" and the buffers of other databases, "<prefix>.<alias>:*"; on a cluster,
+    # on every master (SCAN sees one node's keys)
+    if isinstance(client, ClusterClient):
+        nodes = [client.get_redis_connection(n) for n in client.get_primaries()]
+    else:
+        nodes = [client]
+    for node in nodes:
+        keys = list(node.scan_iter(match=f"{prefix}[:.]*", count=1000))
+        pipe = node.pipeline(transaction=False)
+        for key in keys:
+            pipe.delete(key)  # one key a command: each key has a slot of its own
+        pipe.execute()
 
 
 @pytest.fixture(autouse=True)
@@ -39,10 +54,36 @@ def counters_prefix(settings) -> Iterator[str]:
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     settings.COUNTERS_KEY_PREFIX = prefix
     yield prefix
-    client = client_module._clients.get((conf.redis_url(), conf.socket_timeout()))
+    key = (conf.redis_url(), conf.socket_timeout(), conf.redis_cluster())
+    client = client_module._clients.get(key)
     if client is not None and not isinstance(client, fakeredis.FakeRedis):
         with contextlib.suppress(Exception):
             _delete_prefix(client, prefix)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_server() -> Iterator[RedisClusterServer]:
+    """A Redis Cluster (3 masters, 3 replicas) shared by the session, started at first use.
+
+    Tests that kill a node start a cluster of their own.
+    """
+    with RedisClusterServer() as cluster:
+        yield cluster
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("single", id="redis"),
+        pytest.param("cluster", id="cluster", marks=pytest.mark.redis_cluster),
+    ]
+)
+def redis_backend(request, settings) -> str:
+    """The test runs on the single Redis, then on the session's Redis Cluster."""
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("redis_cluster_server")
+        settings.COUNTERS_REDIS_CLUSTER = True
+        settings.COUNTERS_REDIS_URL = cluster.url
+    return request.param
 
 
 @pytest.fixture
@@ -59,7 +100,7 @@ def fake_redis(settings, monkeypatch) -> fakeredis.FakeRedis:
     url = "redis://fakeredis:6379/0"
     settings.COUNTERS_REDIS_URL = url
     client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    monkeypatch.setitem(client_module._clients, (url, conf.socket_timeout()), client)
+    monkeypatch.setitem(client_module._clients, (url, conf.socket_timeout(), False), client)
     return client
 
 

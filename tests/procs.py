@@ -45,7 +45,12 @@ def project_env(*, application_name: str | None = None, **extra: str) -> dict[st
         DJANGO_SETTINGS_MODULE="config.settings",
         PYTHONUNBUFFERED="1",
     )
-    for name in ("COUNTERS_REDIS_URL", "COUNTERS_SOCKET_TIMEOUT", "COUNTERS_BATCH_SIZE"):
+    for name in (
+        "COUNTERS_REDIS_URL",
+        "COUNTERS_REDIS_CLUSTER",
+        "COUNTERS_SOCKET_TIMEOUT",
+        "COUNTERS_BATCH_SIZE",
+    ):
         if hasattr(settings, name):
             env[name] = str(getattr(settings, name))
     env.update(extra)

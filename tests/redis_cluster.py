@@ -39,6 +39,11 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
+def _port(fields: list[str]) -> int:
+    """The port of a CLUSTER NODES line ("<id> <ip>:<port>@<bus port> ...")."""
+    return int(fields[1].split("@")[0].rsplit(":", 1)[1])
+
+
 class RedisCluster:
     def __init__(self, nodes: int = NODES, node_timeout_ms: int = 1000) -> None:
         self.ports: list[int] = []
@@ -82,8 +87,16 @@ class RedisCluster:
     def start(self) -> RedisCluster:
         for port in self.ports:
             self._start_node(port)
-        for port in self.ports:
-            self._wait_ping(port)
+        for i, port in enumerate(list(self.ports)):
+            for _ in range(5):
+                if self._wait_own(port):
+                    break
+                # another process took the port between the check and the bind: move
+                self.procs.pop(port).wait(10)
+                port = self.ports[i] = self._new_port()
+                self._start_node(port)
+            else:
+                raise RuntimeError("could not start a Redis Cluster node on a free port")
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
         subprocess.run(
             [
@@ -122,18 +135,27 @@ class RedisCluster:
                 raise TimeoutError("the replicas of the Redis Cluster did not sync")
             time.sleep(0.1)
 
-    def _wait_ping(self, port: int, timeout: float = 10) -> None:
-        client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    def _new_port(self) -> int:
+        while True:
+            port = cluster_port()
+            if port not in self.ports:
+                return port
+
+    def _wait_own(self, port: int, timeout: float = 10) -> bool:
+        """Until the node on ``port`` answers; False if ours died (its port was taken)."""
+        proc = self.procs[port]
+        client = redis.Redis(port=port, socket_connect_timeout=0.2, decode_responses=True)
         deadline = time.monotonic() + timeout
         try:
-            while True:
+            while proc.poll() is None:
                 try:
-                    client.ping()
-                    return
+                    # a server answering that is not ours holds the port: ours cannot bind
+                    return int(client.info("server")["process_id"]) == proc.pid
                 except redis.ConnectionError:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.02)
+            return False
         finally:
             client.close()
 
@@ -164,8 +186,8 @@ class RedisCluster:
                 raise TimeoutError("the Redis Cluster did not become ok")
             time.sleep(0.1)
 
-    def _nodes(self) -> list[tuple[int, str]]:
-        """(port, flags) of every node, as a live node sees them."""
+    def _cluster_nodes(self) -> list[list[str]]:
+        """The fields of every line of CLUSTER NODES, as a live node sees them."""
         live = next(p for p, proc in self.procs.items() if proc.poll() is None)
         out = subprocess.run(
             ["redis-cli", "-p", str(live), "cluster", "nodes"],
@@ -174,11 +196,25 @@ class RedisCluster:
             text=True,
             timeout=10,
         ).stdout
-        nodes = []
-        for line in out.strip().splitlines():
-            fields = line.split()
-            nodes.append((int(fields[1].split("@")[0].rsplit(":", 1)[1]), fields[2]))
-        return nodes
+        return [line.split() for line in out.strip().splitlines()]
+
+    def _nodes(self) -> list[tuple[int, str]]:
+        """(port, flags) of every node, as a live node sees them."""
+        return [(_port(fields), fields[2]) for fields in self._cluster_nodes()]
+
+    def replica_of(self, port: int) -> int:
+        """Port of the replica of master ``port``."""
+        lines = self._cluster_nodes()
+        [master_id] = [fields[0] for fields in lines if _port(fields) == port]
+        [replica] = [_port(fields) for fields in lines if fields[3] == master_id]
+        return replica
+
+    def pause(self, port: int) -> None:
+        """SIGSTOP one node: it neither answers nor replicates until :meth:`resume`."""
+        self.procs[port].send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        self.procs[port].send_signal(signal.SIGCONT)
 
     def masters(self) -> list[int]:
         """Ports of the nodes that are healthy masters now."""

@@ -9,7 +9,11 @@ import counters
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
 
 
 def test_create_unread_counts_one_and_read_counts_zero(make_user):

@@ -18,7 +18,11 @@ from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
 
 
 @pytest.fixture

@@ -15,7 +15,11 @@ from notifications.apps import UNREAD_COUNTER
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,11 @@ from counters.status import gather
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
 
 BIGINT_MAX = 2**63 - 1
 

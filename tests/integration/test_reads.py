@@ -14,7 +14,11 @@ from counters.lease import Lease
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
 
 
 def _flush_between_snapshot_and_rows(monkeypatch, times: int, *, holder=None) -> list[int]:

@@ -15,7 +15,11 @@ import counters
 from tests.blog.models import Comment, Post, PostStats
 from tests.blog.truth import assert_exact, stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
 
 
 @pytest.fixture

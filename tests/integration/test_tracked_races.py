@@ -17,6 +17,7 @@ pytestmark = [
     pytest.mark.redis,
     pytest.mark.postgres,
     pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs PostgreSQL row locks"),
+    pytest.mark.usefixtures("redis_backend"),
 ]
 
 THREADS = 16

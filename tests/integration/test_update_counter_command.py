@@ -15,7 +15,11 @@ from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 from tests.procs import manage, project_env, run_manage
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
 
 
 def test_flush_command_prints_one_summary_line_and_exits_zero(make_user):

@@ -25,6 +25,7 @@ def clean_config(settings, monkeypatch):
 
 DEFAULTS = {
     "COUNTERS_REDIS_URL": None,
+    "COUNTERS_REDIS_CLUSTER": False,
     "COUNTERS_KEY_PREFIX": "counters",
     "COUNTERS_SHARDS": 16,
     "COUNTERS_BATCH_SIZE": 1000,
@@ -45,6 +46,7 @@ def test_every_setting_is_known_with_its_default():
 @pytest.mark.parametrize(
     ("helper", "name"),
     [
+        (conf.redis_cluster, "COUNTERS_REDIS_CLUSTER"),
         (conf.key_prefix, "COUNTERS_KEY_PREFIX"),
         (conf.shards, "COUNTERS_SHARDS"),
         (conf.batch_size, "COUNTERS_BATCH_SIZE"),
@@ -198,6 +200,7 @@ def test_every_positive_check_has_its_own_id():
     assert sorted(POSITIVE.values()) == [f"counters.E00{i}" for i in range(1, 8)]
     assert set(POSITIVE) == set(conf.SETTINGS) - {
         "COUNTERS_REDIS_URL",
+        "COUNTERS_REDIS_CLUSTER",
         "COUNTERS_KEY_PREFIX",
         "COUNTERS_AUTO_REBUILD",
         "COUNTERS_DATABASES",
