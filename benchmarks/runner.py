@@ -15,6 +15,7 @@ from redis import Redis, RedisError
 import counters
 from counters import conf
 from counters.buffer import Buffer
+from counters.cluster import ClusterClient
 
 from . import data, flush, memory, reads, report, writers
 from .child import ChildContext
@@ -94,7 +95,7 @@ def _database_ready() -> None:
         raise BenchError(f"unapplied migrations ({names}{more}): run manage.py migrate first")
 
 
-def _client_ready(buffer: Buffer) -> Redis:
+def _client_ready(buffer: Buffer) -> Redis | ClusterClient:
     try:
         buffer.client.ping()
     except RedisError as exc:
