@@ -11,6 +11,7 @@ rebuild (see :mod:`counters.fanout`).
 from __future__ import annotations
 
 import logging
+import random
 
 from celery import shared_task
 from django.db import DatabaseError
@@ -126,7 +127,11 @@ def dispatch(parallelism: int) -> list[FlushRun]:
             logger.error("flush run of database %r failed: %s", alias, first_line(exc, 300))
             error = error or exc
             continue
-        for index, shards in enumerate(run.parts):
+        # From a random part on: when fewer workers than parts are free and parts expire,
+        # it is not always the same shards that wait for the next run.
+        first = random.randrange(len(run.parts))
+        for index in [*range(first, len(run.parts)), *range(first)]:
+            shards = run.parts[index]
             flush_shards.apply_async(
                 kwargs={
                     "using": alias,

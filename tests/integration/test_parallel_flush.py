@@ -186,7 +186,7 @@ def test_parts_and_an_idle_dispatch_log_one_line_each(eager, make_user, caplog):
     with caplog.at_level(logging.DEBUG, logger="counters.tasks"):
         tasks.flush_counters()
     lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "counters.tasks"]
-    parts = [line for line in lines if line[1].startswith("part ")]
+    parts = sorted((line for line in lines if line[1].startswith("part ")), key=lambda x: x[1])
     assert len(parts) == PARTS
     assert parts[0][1].startswith("part 1/4 of run ")
     assert "(database 'default', shards [0, 4, 8, 12]): flushed " in parts[0][1]
