@@ -15,6 +15,7 @@ from io import StringIO
 from unittest import mock
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.db import OperationalError
 
@@ -218,3 +219,19 @@ def test_the_cron_command_flushes_every_shard_itself_whatever_the_parallelism(
     assert f", {len(users)} keys, " in out
     assert [stored(u) for u in users] == [truth(u) for u in users]
     assert gather(api.get_buffer())["last_flush"]["parallel"] is None
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "other"])
+def test_every_database_gets_its_own_parts(eager, settings):
+    settings.COUNTERS_DATABASES = ["default", "other"]
+    User = get_user_model()
+    for alias in ("default", "other"):
+        user = User.objects.db_manager(alias).create(username=f"u-{alias}")
+        for _ in range(2 if alias == "default" else 3):
+            Notification.objects.using(alias).create(recipient_id=user.pk, verb="v")
+    tasks.flush_counters()
+    for alias, unread in (("default", 2), ("other", 3)):
+        [count] = UnreadCounter.objects.using(alias).values_list("count", flat=True)
+        assert count == unread
+        last = gather(api.get_buffer(alias), alias)["last_flush"]
+        assert (last["parallel"]["reported"], last["keys"]) == (PARTS, 1)
