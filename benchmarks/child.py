@@ -15,6 +15,7 @@ COUNTER_SETTINGS = (
     "COUNTERS_BATCH_SIZE",
     "COUNTERS_SOCKET_TIMEOUT",
     "COUNTERS_LEASE_TIMEOUT",
+    "COUNTERS_REDIS_CLUSTER",
 )
 
 
@@ -33,7 +34,7 @@ class ChildContext:
 
         from counters import conf
 
-        values = {
+        values: dict[str, object] = {
             "COUNTERS_REDIS_URL": conf.redis_url(),
             "COUNTERS_KEY_PREFIX": conf.key_prefix(),
             "COUNTERS_SHARDS": conf.shards(),
@@ -41,6 +42,8 @@ class ChildContext:
             "COUNTERS_SOCKET_TIMEOUT": conf.socket_timeout(),
             "COUNTERS_LEASE_TIMEOUT": conf.lease_timeout(),
         }
+        if "COUNTERS_REDIS_CLUSTER" in conf.SETTINGS:  # a Redis Cluster, where supported
+            values["COUNTERS_REDIS_CLUSTER"] = "1" if conf.get("COUNTERS_REDIS_CLUSTER") else "0"
         return cls(
             settings_module=settings.SETTINGS_MODULE
             or os.environ.get("DJANGO_SETTINGS_MODULE", ""),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-SECTIONS = ("writes", "flush", "reads", "memory")
+SECTIONS = ("writes", "flush", "parallel", "reads", "memory")
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,10 @@ class BenchConfig:
     spread_users: int = 10_000
     flush_keys: int = 100_000
     flush_rounds: int = 4
+    #: Pending keys of the parallel flush, and the flusher counts measured on them.
+    parallel_keys: int = 100_000
+    parallel_workers: tuple[int, ...] = (1, 2, 4)
+    parallel_rounds: int = 3
     read_notifications: int = 1_000_000
     read_unread: int = 10_000
     read_samples: int = 200
@@ -42,6 +46,8 @@ class BenchConfig:
             spread_users=1_000,
             flush_keys=2_000,
             flush_rounds=1,
+            parallel_keys=2_000,
+            parallel_rounds=1,
             read_notifications=20_000,
             read_unread=1_000,
             read_samples=20,
@@ -58,6 +64,8 @@ class BenchConfig:
             sizes.append(self.spread_users)
         if "flush" in sections:
             sizes.append(self.flush_keys)
+        if "parallel" in sections:
+            sizes.append(self.parallel_keys)
         if "reads" in sections:
             sizes.append(self.spread_users)
         if "memory" in sections:

@@ -13,6 +13,7 @@ from django.utils import timezone
 from redis import Redis
 
 from counters.buffer import Buffer
+from counters.cluster import ClusterClient
 from counters.models import BufferEpoch, FlushBatch
 from counters.utils import column, model_field
 from notifications.models import Notification, UnreadCounter
@@ -178,7 +179,7 @@ def delete_epochs(prefix: str) -> None:
     BufferEpoch.objects.filter(prefix=prefix).delete()
 
 
-def delete_prefix(client: Redis, prefix: str) -> int:
+def delete_prefix(client: Redis | ClusterClient, prefix: str) -> int:
     """Delete every Redis key under ``prefix``; how many there were."""
     keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
     for i in range(0, len(keys), 500):

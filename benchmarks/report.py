@@ -7,10 +7,13 @@ import platform
 import sqlite3
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import django
 from django.db import connection
 from redis import Redis
+
+from counters.cluster import ClusterClient
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,31 @@ def _database_version() -> str:
     return connection.display_name
 
 
-def machine(client: Redis) -> dict:
+def _redis_version(info: dict) -> str:
+    """``redis_version`` of an INFO reply, or of the first node's (a cluster client)."""
+    if "redis_version" in info:
+        return str(info["redis_version"])
+    for value in info.values():
+        if isinstance(value, dict) and "redis_version" in value:
+            return str(value["redis_version"])
+    return "unknown"
+
+
+def redis_nodes(url: str) -> list[str]:
+    """``host:port`` of each comma-separated Redis URL (no credentials, no database)."""
+    nodes = []
+    for part in url.split(","):
+        parsed = urlsplit(part.strip())
+        nodes.append(parsed.path if parsed.scheme == "unix" else f"{parsed.hostname}:{parsed.port}")
+    return nodes
+
+
+def machine(client: Redis | ClusterClient) -> dict:
     return {
         "nproc": os.cpu_count(),
         "memory_mb": _memory_mb(),
         "database": _database_version(),
-        "redis": f"Redis {client.info('server')['redis_version']}",
+        "redis": f"Redis {_redis_version(client.info('server'))}",
         "python": platform.python_version(),
         "django": django.get_version(),
     }
@@ -117,6 +139,23 @@ def render(results: dict) -> str:
             f"flush {f['flush_keys_per_s']:,.0f} keys/s, raw SQL {f['raw_keys_per_s']:,.0f} "
             f"keys/s, flush/raw {f['flush_raw']:.2f}   (load {_load(f['load'])})",
         ]
+    if "parallel" in results:
+        p = results["parallel"]
+        redis = results.get("redis") or {}
+        where = (
+            f"Redis Cluster of {len(redis.get('nodes', []))} listed nodes"
+            if redis.get("cluster")
+            else "one Redis"
+        )
+        lines += [
+            "",
+            f"parallel flush: {p['keys']:,} pending keys, {p['shards']} shards, batches of "
+            f"{p['batch_size']}, {where}, median of {p['rounds']} rounds   "
+            f"(load {_load(p['load'])})",
+            f"{'flushers':<10}{'keys/s':>10}{'speed-up':>10}",
+        ]
+        for n, figures in p["workers"].items():
+            lines.append(f"{n:<10}{figures['keys_per_s']:>10.0f}{p['speedup'][n]:>10.2f}")
     if "reads" in results:
         r = results["reads"]
         lines += [

@@ -17,7 +17,7 @@ from counters import conf
 from counters.buffer import Buffer
 from counters.cluster import ClusterClient
 
-from . import data, flush, memory, reads, report, writers
+from . import data, flush, memory, parallel, reads, report, writers
 from .child import ChildContext
 from .config import BenchConfig
 from .errors import BenchError
@@ -58,6 +58,21 @@ def _flush(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> d
     return flush.measure(buffer, users[: config.flush_keys], config.flush_rounds)
 
 
+def _parallel(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
+    workers = ", ".join(map(str, config.parallel_workers))
+    progress(
+        f"parallel: {config.parallel_keys:,} pending keys flushed by {workers} flusher "
+        "processes on disjoint shards"
+    )
+    return parallel.measure(
+        buffer,
+        ChildContext.from_parent(),
+        users[: config.parallel_keys],
+        config.parallel_workers,
+        config.parallel_rounds,
+    )
+
+
 def _reads(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
     progress(
         f"reads: inserting {config.read_notifications:,} notifications, "
@@ -77,6 +92,7 @@ def _memory(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
 SECTION_RUNNERS: dict[str, Callable[..., dict]] = {
     "writes": _writes,
     "flush": _flush,
+    "parallel": _parallel,
     "reads": _reads,
     "memory": _memory,
 }
@@ -103,16 +119,43 @@ def _client_ready(buffer: Buffer) -> Redis | ClusterClient:
     return buffer.client
 
 
-def run(config: BenchConfig, sections: tuple[str, ...], progress: Callable[[str], None]) -> dict:
-    """Run ``sections`` under a fresh key prefix and user prefix; the results as a dict."""
+def redis_settings(redis_url: str | None, cluster: bool) -> dict[str, object]:
+    """The ``COUNTERS_*`` settings a run overrides for ``--redis-url`` and ``--cluster``."""
+    overrides: dict[str, object] = {}
+    if redis_url:
+        overrides["COUNTERS_REDIS_URL"] = redis_url
+    if cluster:
+        if "COUNTERS_REDIS_CLUSTER" not in conf.SETTINGS:
+            raise BenchError(
+                "--cluster needs Redis Cluster support (the COUNTERS_REDIS_CLUSTER setting), "
+                "which this version of counters does not have"
+            )
+        overrides["COUNTERS_REDIS_CLUSTER"] = True
+    return overrides
+
+
+def run(
+    config: BenchConfig,
+    sections: tuple[str, ...],
+    progress: Callable[[str], None],
+    redis_url: str | None = None,
+    cluster: bool = False,
+) -> dict:
+    """Run ``sections`` under a fresh key prefix and user prefix; the results as a dict.
+
+    ``redis_url`` replaces ``COUNTERS_REDIS_URL`` for the run (and its child
+    processes); ``cluster`` turns ``COUNTERS_REDIS_CLUSTER`` on.
+    """
     prefix = f"bench-{secrets.token_hex(6)}"
-    with override_settings(COUNTERS_KEY_PREFIX=prefix):
+    overrides = redis_settings(redis_url, cluster)
+    with override_settings(COUNTERS_KEY_PREFIX=prefix, **overrides):
         buffer = counters.get_buffer()
         client = _client_ready(buffer)
         _database_ready()
         results: dict = {
             "key_prefix": prefix,
             "machine": report.machine(client),
+            "redis": {"nodes": report.redis_nodes(conf.redis_url()), "cluster": cluster},
             "config": asdict(config),
             "debug": settings.DEBUG,
             "load_start": report.load(),

@@ -21,7 +21,9 @@ each script touches one Redis Cluster slot)::
 
 Per prefix (no hash tag, single-key commands only)::
 
-    <prefix>:last_flush          HASH  result of the last flush (status.py)
+    <prefix>:last_flush          HASH  result of the last whole flush (status.py)
+    <prefix>:flush_run           HASH  the newest parallel run: its id, parts and each part's
+                                       result (fanout.py)
     <prefix>:repair              SET   members read below zero; the next flush rebuilds them
     <prefix>:rebuild             STR   lease of the full rebuild and of repairs (api.rebuild_all)
 """

@@ -16,6 +16,7 @@ POSITIVE = {
     "COUNTERS_LEASE_TIMEOUT": "counters.E005",
     "COUNTERS_SOCKET_TIMEOUT": "counters.E006",
     "COUNTERS_LEDGER_RETENTION": "counters.E007",
+    "COUNTERS_FLUSH_PARALLELISM": "counters.E017",
 }
 
 

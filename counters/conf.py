@@ -62,6 +62,15 @@ SETTINGS: dict[str, Setting] = {
             "Seconds between two runs of the periodic flush task (django-celery-beat).",
         ),
         Setting(
+            "COUNTERS_FLUSH_PARALLELISM",
+            int,
+            1,
+            "Celery workers one run of the periodic flush is split over: the beat task "
+            "sends this many counters.flush_shards tasks per database, each flushing a "
+            "disjoint set of shards (at most COUNTERS_SHARDS parts). 1: the beat task "
+            "flushes every shard itself.",
+        ),
+        Setting(
             "COUNTERS_FLUSH_TIME_BUDGET",
             float,
             30.0,
@@ -154,6 +163,10 @@ def batch_size() -> int:
 
 def flush_interval() -> int:
     return get("COUNTERS_FLUSH_INTERVAL")
+
+
+def flush_parallelism() -> int:
+    return get("COUNTERS_FLUSH_PARALLELISM")
 
 
 def flush_time_budget() -> float:

@@ -29,6 +29,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
@@ -323,6 +324,29 @@ def prune_ledger(buffer: Buffer, using: str, retention: int) -> int:
     return deleted
 
 
+def chosen_shards(buffer: Buffer, shards: Iterable[int] | None) -> list[int]:
+    """``shards`` sorted without repeats (every shard of ``buffer`` if None).
+
+    Raises ``ValueError`` for a shard that ``buffer`` does not have, or an empty set.
+    """
+    if shards is None:
+        return list(range(buffer.shards))
+    items = list(shards)
+    wrong = [
+        s
+        for s in items
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < buffer.shards
+    ]
+    if wrong:
+        raise ValueError(
+            f"shards {wrong!r} are not shards of this buffer (0 to {buffer.shards - 1})"
+        )
+    chosen = sorted(set(items))
+    if not chosen:
+        raise ValueError("no shards to flush: pass None for every shard")
+    return chosen
+
+
 def flush(
     buffer: Buffer,
     *,
@@ -331,14 +355,25 @@ def flush(
     time_budget: float = 30.0,
     lease_timeout: float = 30.0,
     retention: int | None = None,
+    shards: Iterable[int] | None = None,
 ) -> FlushResult:
-    """Flush every shard of ``buffer`` once. Shards another flusher holds are skipped."""
+    """Flush each shard of ``buffer`` once, or only ``shards``; returns a FlushResult.
+
+    Each shard is drained under its own lease; shards another flusher holds
+    are skipped (``busy_shards``). Several flushers given disjoint ``shards``
+    (the parts of a parallel flush, see ``counters.fanout``) work side by
+    side; given the same shards they still apply each batch once. Shards are
+    visited from a random one on, so that a time budget that runs out leaves
+    different shards behind each time. ``retention`` (seconds) prunes the
+    ledger afterwards; None leaves it alone. Raises ``ValueError`` for shards
+    ``buffer`` does not have, before touching any.
+    """
+    order = chosen_shards(buffer, shards)
     started = time.monotonic()
     deadline = started + time_budget
     result = FlushResult()
-    shards = list(range(buffer.shards))
-    offset = random.randrange(len(shards))  # fairness when the time budget runs out
-    for shard in shards[offset:] + shards[:offset]:
+    offset = random.randrange(len(order))  # fairness when the time budget runs out
+    for shard in order[offset:] + order[:offset]:
         try:
             flush_shard(
                 buffer,

@@ -1,8 +1,9 @@
 """Flush entry points: settle, flush, repair and record, per database alias.
 
-:func:`flush` is what ``counters.flush()``, the Celery task and the
-``counters_flush`` command run. The shard-by-shard engine is
-:mod:`counters.flusher`.
+:func:`flush` is a whole run: what ``counters.flush()``, the ``counters_flush``
+command and the Celery task (with ``COUNTERS_FLUSH_PARALLELISM`` 1) run. The
+shard-by-shard engine is :mod:`counters.flusher`; a run split over several
+workers is :mod:`counters.fanout`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def flush(
             retry_quarantined=retry_quarantined,
             discard_quarantined=discard_quarantined,
         )
-        return _added_up(list(results.values()))
+        return added_up(list(results.values()))
     buffer = get_buffer(using)
     try:
         requeued = quarantine.retry(buffer) if retry_quarantined else 0
@@ -78,11 +79,11 @@ def flush(
         result.compensated = compensated
         result.requeued, result.discarded = requeued, discarded
         result.repaired = repair_queued(buffer, using)
-        result.rebuild_needed_since = _needed_since(buffer, using)
+        result.rebuild_needed_since = needed_since(buffer, using)
         if result.rebuild_needed_since and conf.auto_rebuild():
             record_flush(buffer, result)  # a rebuild can take long: show the flush first
-            if _auto_rebuild(using):
-                result.rebuild_needed_since = _needed_since(buffer, using)
+            if auto_rebuild(using):
+                result.rebuild_needed_since = needed_since(buffer, using)
         record_flush(buffer, result)
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc
@@ -125,8 +126,11 @@ def flush_databases(
     return results
 
 
-def _added_up(results: list[FlushResult]) -> FlushResult:
-    """One FlushResult of several: counts added, flags or-ed, shard lists merged."""
+def added_up(results: list[FlushResult]) -> FlushResult:
+    """One FlushResult of several: counts added, flags or-ed, shard lists merged.
+
+    ``seconds`` is added up too: the caller of results that ran side by side sets it.
+    """
     from .flusher import FlushResult
 
     if len(results) == 1:
@@ -147,14 +151,15 @@ def _added_up(results: list[FlushResult]) -> FlushResult:
     return total
 
 
-def _needed_since(buffer: Buffer, using: str) -> str | None:
+def needed_since(buffer: Buffer, using: str) -> str | None:
+    """When counters of ``using`` became wrong through a Redis data loss (ISO), or None."""
     from .epoch import rebuild_needed_since
 
     since = rebuild_needed_since(buffer.prefix, using)
     return since.isoformat() if since else None
 
 
-def _auto_rebuild(using: str) -> bool:
+def auto_rebuild(using: str) -> bool:
     """Run the full rebuild after a data loss; False if another one is running."""
     try:
         reports = rebuild_all(using=using)

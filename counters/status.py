@@ -13,6 +13,7 @@ from django.db.models import Count, Max, Sum
 from . import quarantine
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
+from .fanout import last_run
 from .models import BufferEpoch, FlushBatch
 from .repair import queue_key
 from .utils import to_str
@@ -56,12 +57,27 @@ def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
 
 
 def last_flush(buffer: Buffer) -> dict[str, Any] | None:
+    """The newest flush: a whole one (cron, ``counters.flush()``) or a parallel run.
+
+    A parallel run (``COUNTERS_FLUSH_PARALLELISM`` > 1) is the sum of its
+    dispatcher and of the parts that have reported so far, with
+    ``parallel: {"run", "parts", "reported", "shards"}``; ``parallel`` is None
+    for a whole flush. None if no flush was recorded.
+    """
     raw = buffer.client.hgetall(f"{buffer.prefix}:last_flush")
-    if not raw:
+    whole = {to_str(k): json.loads(v) for k, v in raw.items()} if raw else None
+    if whole is not None:
+        whole["parallel"] = None
+    run = last_run(buffer)
+    newest = max(
+        (data for data in (whole, run) if data is not None),
+        key=lambda data: data["at"],
+        default=None,
+    )
+    if newest is None:
         return None
-    data = {to_str(k): json.loads(v) for k, v in raw.items()}
-    data["age_seconds"] = round(time.time() - data.pop("at"), 3)
-    return data
+    newest["age_seconds"] = round(time.time() - newest.pop("at"), 3)
+    return newest
 
 
 def ledger_status(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from django.contrib.auth import get_user_model
 
 import counters
 from benchmarks.report import TARGETS
+from counters import conf
 from counters.models import BufferEpoch, FlushBatch
 from tests.procs import database_url, project_env, run_manage
 
@@ -29,6 +30,8 @@ FIGURES = [
     ("flush", "flush_keys_per_s"),
     ("flush", "raw_keys_per_s"),
     ("flush", "flush_raw"),
+    *[("parallel", "workers", n, "keys_per_s") for n in ("1", "2", "4")],
+    *[("parallel", "speedup", n) for n in ("1", "2", "4")],
     ("reads", "get_count_ms"),
     ("reads", "count_ms"),
     ("reads", "count_get_count"),
@@ -104,8 +107,13 @@ def test_bench_leaves_no_data_behind(quick_run):
         pytest.param(("--rounds", "-2"), "--rounds must be at least 1, got -2", id="rounds"),
         pytest.param(
             ("--sections", "writes,nope"),
-            "--sections takes names from writes,flush,reads,memory, got 'writes,nope'",
+            "--sections takes names from writes,flush,parallel,reads,memory, got 'writes,nope'",
             id="sections",
+        ),
+        pytest.param(
+            ("--flush-workers", "1,0"),
+            "--flush-workers takes comma-separated numbers of at least 1, got '1,0'",
+            id="flush-workers",
         ),
     ],
 )
@@ -113,6 +121,30 @@ def test_bad_arguments_exit_non_zero_with_one_line(args, message):
     code, out, err = run_manage("counters_bench", *args)
     assert code != 0
     assert err.strip().splitlines() == [f"CommandError: {message}"]
+    assert out == ""
+
+
+def test_redis_url_option_names_the_redis_of_the_run():
+    code, out, err = run_manage(
+        "counters_bench", "--quick", "--redis-url", "redis://127.0.0.1:1/0", "--sections", "flush"
+    )
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("CommandError: Redis unreachable at redis://127.0.0.1:1/0: ")
+    assert out == ""
+
+
+@pytest.mark.skipif(
+    "COUNTERS_REDIS_CLUSTER" in conf.SETTINGS, reason="this version supports Redis Cluster"
+)
+def test_cluster_option_says_when_cluster_support_is_missing():
+    code, out, err = run_manage("counters_bench", "--quick", "--cluster")
+    assert code != 0
+    assert err.strip().splitlines() == [
+        "CommandError: --cluster needs Redis Cluster support (the COUNTERS_REDIS_CLUSTER "
+        "setting), which this version of counters does not have"
+    ]
     assert out == ""
 
 

@@ -10,15 +10,9 @@ COUNT(*) truth, twice in a row, through ledgered flush batches.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -28,10 +22,10 @@ from django.db import connection
 from counters.models import FlushBatch
 from counters.schedule import ensure_periodic_task
 from notifications.models import Notification, UnreadCounter
+from tests.e2e.celery_procs import CeleryProcs
 from tests.helpers import stored, truth
 from tests.procs import project_env
 
-ROOT = Path(__file__).resolve().parents[2]
 BROKER_DB = 14  # a Redis database of its own: no other worker consumes these tasks
 CONVERGE_TIMEOUT = 45.0
 
@@ -51,56 +45,6 @@ pytestmark = [
 def broker_url() -> str:
     base, _, _ = settings.REDIS_URL.rpartition("/")
     return f"{base}/{BROKER_DB}"
-
-
-class CeleryProcs:
-    """A worker and a beat subprocess, each in its own process group, logging to a file."""
-
-    def __init__(self, env: dict[str, str], logdir: Path) -> None:
-        self.env = env
-        self.logdir = logdir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, *args: str) -> None:
-        log = (self.logdir / f"{name}.log").open("w")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "config", name, "--loglevel=INFO", *args],
-            cwd=ROOT,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                pytest.fail(f"celery {name} exited with {proc.returncode} (output below)")
-
-    def output(self) -> str:
-        parts = []
-        for name in self.procs:
-            text = (self.logdir / f"{name}.log").read_text(errors="replace")
-            parts.append(f"----- celery {name} -----\n{text[-20_000:]}")
-        return "\n".join(parts)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            # Also reaps children the process may have left in its group.
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait(10)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
 
 
 @pytest.fixture
@@ -127,17 +71,14 @@ def celery_procs(transactional_db, counters_prefix, broker, tmp_path) -> Iterato
     try:
         procs.start(
             "worker",
+            "worker",
             "--pool=solo",
             "--without-gossip",
             "--without-mingle",
             "--without-heartbeat",
             f"--hostname=e2e-{counters_prefix}@%h",
         )
-        procs.start(
-            "beat",
-            "--scheduler=django_celery_beat.schedulers:DatabaseScheduler",
-            "--max-interval=1",
-        )
+        procs.beat()
         yield procs
     finally:
         procs.stop()

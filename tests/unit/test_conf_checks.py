@@ -36,6 +36,7 @@ DEFAULTS = {
     "COUNTERS_LEDGER_RETENTION": 604_800,
     "COUNTERS_AUTO_REBUILD": True,
     "COUNTERS_DATABASES": None,
+    "COUNTERS_FLUSH_PARALLELISM": 1,
 }
 
 
@@ -55,6 +56,7 @@ def test_every_setting_is_known_with_its_default():
         (conf.lease_timeout, "COUNTERS_LEASE_TIMEOUT"),
         (conf.socket_timeout, "COUNTERS_SOCKET_TIMEOUT"),
         (conf.ledger_retention, "COUNTERS_LEDGER_RETENTION"),
+        (conf.flush_parallelism, "COUNTERS_FLUSH_PARALLELISM"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -100,6 +102,7 @@ def test_django_setting_set_to_none_is_not_replaced_by_environment(settings, mon
         ("COUNTERS_LEASE_TIMEOUT", "3", 3.0),
         ("COUNTERS_SOCKET_TIMEOUT", "0.25", 0.25),
         ("COUNTERS_LEDGER_RETENTION", "60", 60),
+        ("COUNTERS_FLUSH_PARALLELISM", "4", 4),
         ("COUNTERS_KEY_PREFIX", "tally", "tally"),
         ("COUNTERS_REDIS_URL", "redis://env:6379/2", "redis://env:6379/2"),
     ],
@@ -197,7 +200,10 @@ def test_non_number_from_environment_is_an_error(monkeypatch, name, check_id):
 
 
 def test_every_positive_check_has_its_own_id():
-    assert sorted(POSITIVE.values()) == [f"counters.E00{i}" for i in range(1, 8)]
+    assert sorted(POSITIVE.values()) == [
+        *(f"counters.E00{i}" for i in range(1, 8)),
+        "counters.E017",
+    ]
     assert set(POSITIVE) == set(conf.SETTINGS) - {
         "COUNTERS_REDIS_URL",
         "COUNTERS_REDIS_CLUSTER",

@@ -21,7 +21,8 @@ from counters.utils import first_line
 class Command(BaseCommand):
     help = (
         "Benchmark notification writes with no counter, a naive counter and Tally; "
-        "the flush against raw SQL; get_count against COUNT(*); the flusher's memory."
+        "the flush against raw SQL; the flush with 1, 2 and 4 flushers; get_count against "
+        "COUNT(*); the flusher's memory."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -35,6 +36,23 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--rounds", type=int, default=None, help="Interleaved rounds of the writes."
+        )
+        parser.add_argument(
+            "--flush-workers",
+            default=None,
+            help="Flusher processes the parallel section compares, comma-separated "
+            "(default 1,2,4; speed-ups are against the smallest).",
+        )
+        parser.add_argument(
+            "--redis-url",
+            default=None,
+            help="Redis of the buffer for this run (default: COUNTERS_REDIS_URL); with "
+            "--cluster, any node of a Redis Cluster or a comma-separated list of nodes.",
+        )
+        parser.add_argument(
+            "--cluster",
+            action="store_true",
+            help="The Redis is a Redis Cluster (sets COUNTERS_REDIS_CLUSTER for the run).",
         )
         parser.add_argument(
             "--sections",
@@ -52,9 +70,22 @@ class Command(BaseCommand):
                 bound = "greater than 0" if name == "seconds" else f"at least {minimum}"
                 raise CommandError(f"--{name} must be {bound}, got {value}")
             overrides[name] = value
+        if options["flush_workers"] is not None:
+            overrides["parallel_workers"] = self._workers(options["flush_workers"])
         if options["quick"]:
             return BenchConfig.quick_run(**overrides)
         return BenchConfig.full(**overrides)
+
+    def _workers(self, raw: str) -> tuple[int, ...]:
+        try:
+            counts = sorted({int(n) for n in raw.split(",") if n.strip()})
+        except ValueError:
+            counts = []
+        if not counts or counts[0] < 1:
+            raise CommandError(
+                f"--flush-workers takes comma-separated numbers of at least 1, got {raw!r}"
+            )
+        return tuple(counts)
 
     def _sections(self, raw: str) -> tuple[str, ...]:
         names = [n.strip() for n in raw.split(",") if n.strip()]
@@ -77,7 +108,13 @@ class Command(BaseCommand):
                 self.stderr.flush()
 
         try:
-            results = runner.run(config, sections, progress)
+            results = runner.run(
+                config,
+                sections,
+                progress,
+                redis_url=options["redis_url"],
+                cluster=options["cluster"],
+            )
         except BenchError as exc:
             raise CommandError(str(exc)) from exc
         except CountersError as exc:

@@ -74,10 +74,17 @@ class Command(OneLineFailures):
         if last is None:
             lines.append("last flush: never")
         else:
+            parallel = last.get("parallel")
             lines.append(
                 f"last flush: {last['age_seconds']}s ago, {last['batches']} batches, "
                 f"{last['keys']} keys, {last['deltas']} deltas in {last['seconds']:.3f}s"
                 + (" (time budget reached)" if last["incomplete"] else "")
+                + (
+                    f" (parallel run {parallel['run']}: {parallel['reported']} of "
+                    f"{parallel['parts']} parts reported)"
+                    if parallel
+                    else ""
+                )
             )
             for shard, error in sorted(
                 (last.get("failed_shards") or {}).items(), key=lambda item: int(item[0])
