@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from celery import Celery
 from django.conf import settings
 
@@ -138,6 +139,10 @@ def servers(counters_prefix, tmp_path) -> Iterator[dict]:
         for proc in (worker, web):
             if proc.poll() is None:
                 stop(proc)
+        broker = redis.Redis.from_url(broker_url())
+        for key in broker.scan_iter(match=f"*{queue}*"):  # the queue and its bindings
+            broker.delete(key)
+        broker.close()
         for name in ("web", "worker"):
             print(f"----- {name} -----\n{(tmp_path / f'{name}.log').read_text()[-10_000:]}")
 

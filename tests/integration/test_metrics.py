@@ -7,6 +7,8 @@ lag, epochs) are read from this test's Redis prefix and database.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -270,3 +272,13 @@ def test_a_metric_that_cannot_be_recorded_never_fails_the_write(
     with mock.patch.object(metrics.FALLBACK_WRITES, "labels", side_effect=OSError("disk full")):
         Notification.objects.create(recipient=alice, verb="x")
     assert stored(alice) == truth(alice) == 1
+
+
+def test_the_alerting_rules_name_real_series(client, enabled, make_user):
+    Notification.objects.create(recipient=make_user(), verb="x")
+    counters.flush()
+    names = {name for name, _ in scrape(client).samples}
+    rules = (Path(__file__).resolve().parents[2] / "docs" / "tally-alerts.yml").read_text()
+    named = set(re.findall(r"\btally_[a-z_]+", rules))
+    assert len(named) == 9
+    assert named <= names, named - names
