@@ -35,6 +35,7 @@ DEFAULTS = {
     "COUNTERS_LEDGER_RETENTION": 604_800,
     "COUNTERS_AUTO_REBUILD": True,
     "COUNTERS_DATABASES": None,
+    "COUNTERS_METRICS": False,
 }
 
 
@@ -53,6 +54,7 @@ def test_every_setting_is_known_with_its_default():
         (conf.lease_timeout, "COUNTERS_LEASE_TIMEOUT"),
         (conf.socket_timeout, "COUNTERS_SOCKET_TIMEOUT"),
         (conf.ledger_retention, "COUNTERS_LEDGER_RETENTION"),
+        (conf.metrics_enabled, "COUNTERS_METRICS"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -201,6 +203,7 @@ def test_every_positive_check_has_its_own_id():
         "COUNTERS_KEY_PREFIX",
         "COUNTERS_AUTO_REBUILD",
         "COUNTERS_DATABASES",
+        "COUNTERS_METRICS",
     }
 
 
