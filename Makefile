@@ -7,6 +7,8 @@ TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 PYTEST_ARGS ?=
 # Port of the web process under `make run` (honcho would otherwise give it 5000).
 PORT ?= 8000
+# Where the processes of `make run` add up their Prometheus metrics (its *.db emptied at start).
+PROMETHEUS_MULTIPROC_DIR ?= $(CURDIR)/var/prometheus
 # Django 6.0 needs Python 3.12+: `make test-django60` runs the suite in a venv of its own.
 PYTHON_DJANGO60 ?= $(shell for py in python3.12 python3.13 \
 	"$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv)"/versions/3.1[23]*/bin/python; do \
@@ -41,7 +43,8 @@ migrate: install
 	$(BIN)/python manage.py migrate --noinput
 
 run: migrate
-	$(BIN)/honcho start -f Procfile --port $(PORT)
+	mkdir -p "$(PROMETHEUS_MULTIPROC_DIR)" && rm -f "$(PROMETHEUS_MULTIPROC_DIR)"/*.db
+	PROMETHEUS_MULTIPROC_DIR="$(PROMETHEUS_MULTIPROC_DIR)" $(BIN)/honcho start -f Procfile --port $(PORT)
 
 test: test-sqlite test-postgres
 

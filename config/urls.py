@@ -7,6 +7,8 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("accounts/", include("django.contrib.auth.urls")),
     path("", include("notifications.urls")),
+    # /metrics: the Prometheus exposition, 404 unless COUNTERS_METRICS is on.
+    path("", include("counters.urls")),
     # Any other path under /api/ answers with a JSON 404, not an HTML page.
     re_path(r"^api/(?P<rest>.*)\Z", not_found, name="api-not-found"),
 ]

@@ -120,3 +120,23 @@ def check_trackers(app_configs=None, **kwargs):
                     )
                 )
     return messages
+
+
+@register(Tags.compatibility)
+def check_metrics_dir(app_configs=None, **kwargs):
+    """``PROMETHEUS_MULTIPROC_DIR``, when set, must be a writable directory (E018)."""
+    import os
+
+    from .metrics import MULTIPROC_ENV, multiprocess_dir
+
+    path = multiprocess_dir()
+    if path is None or (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
+        return []
+    return [
+        Error(
+            f"{MULTIPROC_ENV} {path!r} is not a writable directory: metrics cannot be "
+            "recorded and /metrics fails.",
+            hint="Create it (empty) before the web and worker processes start.",
+            id="counters.E018",
+        )
+    ]

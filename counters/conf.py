@@ -111,6 +111,13 @@ SETTINGS: dict[str, Setting] = {
             "string in the environment. Default: every alias the database routers let "
             "the counters app migrate to.",
         ),
+        Setting(
+            "COUNTERS_METRICS",
+            bool,
+            False,
+            "Serve the Prometheus exposition at the counters app's /metrics view; "
+            "off, the view answers 404.",
+        ),
     )
 }
 
@@ -191,3 +198,7 @@ def auto_rebuild() -> bool:
 
 def databases() -> list[str] | None:
     return get("COUNTERS_DATABASES")
+
+
+def metrics_enabled() -> bool:
+    return get("COUNTERS_METRICS")

@@ -18,7 +18,7 @@ from django.db import DatabaseError
 from redis import RedisError
 from redis.exceptions import OutOfMemoryError
 
-from . import conf, quarantine
+from . import conf, metrics, quarantine
 from .buffer import Buffer
 from .client import databases, get_buffer
 from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@metrics.observe_flush
 def flush(
     *,
     using: str | None = None,

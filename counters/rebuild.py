@@ -24,7 +24,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 from redis import RedisError
 
-from . import conf, reads, repair
+from . import conf, metrics, reads, repair
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
@@ -186,6 +186,7 @@ def rebuild(
         if progress is not None:
             progress(report.checked, max(total, report.checked))
     report.seconds = time.monotonic() - started
+    metrics.drift(name, len(report.wrong), report.repaired, using=using)
     return report
 
 

@@ -15,6 +15,7 @@ from redis import RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from . import metrics
 from .buffer import PUSH_MARKER_TTL_MS, Buffer
 from .exceptions import StalePush
 from .writes import push_exact, write_direct
@@ -59,6 +60,7 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
                 age_ms / 1000,
             )
         FlushBatch.objects.using(using).filter(pk=row.pk).update(unsettled=None)
+        metrics.late_push_settled(using, taken_back=bool(landed))
     return compensated
 
 

@@ -24,7 +24,9 @@ rows_changed = Signal()
 
 def connect_signals(app_config) -> None:
     """Connect the app's receivers (called once from ``CountersConfig.ready()``)."""
-    from . import counting, schedule, transactions
+    from celery.signals import worker_process_shutdown, worker_shutdown
+
+    from . import counting, metrics, schedule, transactions
 
     post_migrate.connect(
         schedule.ensure_periodic_task_after_migrate,
@@ -37,6 +39,9 @@ def connect_signals(app_config) -> None:
     for conn in connections.all(initialized_only=True):
         transactions.install(conn)
     rows_changed.connect(counting.rows_changed, dispatch_uid="counters.count_rows")
+    # A Celery process that ends drops its live Prometheus gauges (multiprocess mode).
+    worker_process_shutdown.connect(metrics.child_exited, dispatch_uid="counters.metrics.child")
+    worker_shutdown.connect(metrics.worker_exited, dispatch_uid="counters.metrics.worker")
 
 
 def connect_model(model: type[models.Model]) -> None:

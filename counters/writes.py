@@ -18,7 +18,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections, transaction
 from redis import RedisError
 
-from . import transactions
+from . import metrics, transactions
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import NotConnected, ScoreLimitExceeded, StalePush
@@ -161,6 +161,7 @@ def write_direct(
             if manual:
                 conn.commit()
             fallback_count += 1
+            metrics.fallback_written(using, applied.keys)
             return
         except (OperationalError, IntegrityError) as exc:
             if manual:

@@ -37,6 +37,7 @@ DEFAULTS = {
     "COUNTERS_AUTO_REBUILD": True,
     "COUNTERS_DATABASES": None,
     "COUNTERS_FLUSH_PARALLELISM": 1,
+    "COUNTERS_METRICS": False,
 }
 
 
@@ -57,6 +58,7 @@ def test_every_setting_is_known_with_its_default():
         (conf.socket_timeout, "COUNTERS_SOCKET_TIMEOUT"),
         (conf.ledger_retention, "COUNTERS_LEDGER_RETENTION"),
         (conf.flush_parallelism, "COUNTERS_FLUSH_PARALLELISM"),
+        (conf.metrics_enabled, "COUNTERS_METRICS"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -210,6 +212,7 @@ def test_every_positive_check_has_its_own_id():
         "COUNTERS_KEY_PREFIX",
         "COUNTERS_AUTO_REBUILD",
         "COUNTERS_DATABASES",
+        "COUNTERS_METRICS",
     }
 
 
