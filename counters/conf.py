@@ -95,6 +95,25 @@ SETTINGS: dict[str, Setting] = {
             "string in the environment. Default: every alias the database routers let "
             "the counters app migrate to.",
         ),
+        Setting(
+            "COUNTERS_AUDIT_INTERVAL",
+            int,
+            10,
+            "Seconds between two runs of the periodic audit (django-celery-beat); 0 turns "
+            "the periodic audit off.",
+        ),
+        Setting(
+            "COUNTERS_AUDIT_SLICE",
+            int,
+            1000,
+            "Keys of each counter one audit run compares with the truth.",
+        ),
+        Setting(
+            "COUNTERS_AUDIT_RETENTION",
+            int,
+            90 * 24 * 3600,
+            "Seconds the audit's repair records (AuditRepair) are kept.",
+        ),
     )
 }
 
@@ -167,3 +186,16 @@ def auto_rebuild() -> bool:
 
 def databases() -> list[str] | None:
     return get("COUNTERS_DATABASES")
+
+
+def audit_interval() -> int:
+    """Seconds between periodic audits; 0 when the periodic audit is off (0 or None)."""
+    return get("COUNTERS_AUDIT_INTERVAL") or 0
+
+
+def audit_slice() -> int:
+    return get("COUNTERS_AUDIT_SLICE")
+
+
+def audit_retention() -> int:
+    return get("COUNTERS_AUDIT_RETENTION")
