@@ -186,7 +186,14 @@ def test_a_full_rebuild_waits_for_a_running_audit_and_the_drift_is_repaired_once
     add_to_row(users[2], 6)
     buffer = api.get_buffer()
     results = []
-    auditing = threading.Thread(target=lambda: results.append(run(confirm_delay=0.4)))
+
+    def audit_in_thread() -> None:
+        try:
+            results.append(run(confirm_delay=0.4))
+        finally:
+            connection.close()
+
+    auditing = threading.Thread(target=audit_in_thread)
     auditing.start()
     try:
         deadline = time.monotonic() + 10
