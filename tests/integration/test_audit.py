@@ -260,3 +260,41 @@ def test_an_unknown_counter_or_one_without_truth_is_refused(monkeypatch):
     register("audit_no_truth", UnreadCounter, key_field="user")
     with pytest.raises(NoTruthSource):
         audit(names=["audit_no_truth"])
+
+
+def test_the_beat_task_runs_the_audit_and_logs_its_repairs(users, settings, caplog):
+    from counters import tasks
+
+    settings.COUNTERS_SOCKET_TIMEOUT = 0.2  # quick confirming readings
+    add_to_row(users[2], 5)
+    with caplog.at_level(logging.DEBUG, logger="counters"):
+        tasks.audit_counters()
+    assert repairs() == [("unread", str(users[2].pk), 7, 0, 2)]
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "counters.tasks"]
+    assert len(lines) == 1 and lines[0][0] == "INFO", lines
+    assert lines[0][1].startswith("audited 5 keys of 3 counters, repaired 1 in ")
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="counters"):
+        tasks.audit_counters()  # nothing to repair: one line at DEBUG
+    assert [r.levelname for r in caplog.records if r.name == "counters.tasks"] == ["DEBUG"]
+    assert_exact(*users)
+
+
+def test_the_beat_task_does_nothing_while_the_audit_is_off(users, settings):
+    from counters import tasks
+
+    settings.COUNTERS_AUDIT_INTERVAL = 0
+    add_to_row(users[2], 5)
+    tasks.audit_counters()
+    assert repairs() == [] and not AuditCursor.objects.exists()
+
+
+def test_the_beat_task_logs_one_warning_when_redis_is_down(users, settings, caplog):
+    from counters import tasks
+
+    settings.COUNTERS_REDIS_URL = "redis://127.0.0.1:1/0"
+    settings.COUNTERS_SOCKET_TIMEOUT = 0.5
+    with caplog.at_level(logging.WARNING, logger="counters"):
+        tasks.audit_counters()
+    [record] = [r for r in caplog.records if r.name == "counters.tasks"]
+    assert record.getMessage().startswith("audit skipped: Redis unreachable at ")

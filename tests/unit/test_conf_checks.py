@@ -35,6 +35,9 @@ DEFAULTS = {
     "COUNTERS_LEDGER_RETENTION": 604_800,
     "COUNTERS_AUTO_REBUILD": True,
     "COUNTERS_DATABASES": None,
+    "COUNTERS_AUDIT_INTERVAL": 10,
+    "COUNTERS_AUDIT_SLICE": 1000,
+    "COUNTERS_AUDIT_RETENTION": 7_776_000,
 }
 
 
@@ -53,6 +56,9 @@ def test_every_setting_is_known_with_its_default():
         (conf.lease_timeout, "COUNTERS_LEASE_TIMEOUT"),
         (conf.socket_timeout, "COUNTERS_SOCKET_TIMEOUT"),
         (conf.ledger_retention, "COUNTERS_LEDGER_RETENTION"),
+        (conf.audit_interval, "COUNTERS_AUDIT_INTERVAL"),
+        (conf.audit_slice, "COUNTERS_AUDIT_SLICE"),
+        (conf.audit_retention, "COUNTERS_AUDIT_RETENTION"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -195,13 +201,43 @@ def test_non_number_from_environment_is_an_error(monkeypatch, name, check_id):
 
 
 def test_every_positive_check_has_its_own_id():
-    assert sorted(POSITIVE.values()) == [f"counters.E00{i}" for i in range(1, 8)]
+    assert sorted(POSITIVE.values()) == [f"counters.E00{i}" for i in range(1, 8)] + [
+        "counters.E020",
+        "counters.E021",
+    ]
     assert set(POSITIVE) == set(conf.SETTINGS) - {
         "COUNTERS_REDIS_URL",
         "COUNTERS_KEY_PREFIX",
         "COUNTERS_AUTO_REBUILD",
         "COUNTERS_DATABASES",
+        "COUNTERS_AUDIT_INTERVAL",  # 0 is allowed: E022
     }
+
+
+@pytest.mark.parametrize("value", [0, None, 1, 3600], ids=["zero", "none", "one", "hour"])
+def test_audit_interval_may_be_0_or_none_for_off(settings, value):
+    settings.COUNTERS_AUDIT_INTERVAL = value
+    assert check_settings() == []
+    assert conf.audit_interval() == (value or 0)
+
+
+def test_negative_audit_interval_is_e022(settings):
+    settings.COUNTERS_AUDIT_INTERVAL = -10
+    assert check_settings() == [
+        Error(
+            "COUNTERS_AUDIT_INTERVAL must be 0 (off) or a number of seconds greater than 0 "
+            "(got -10).",
+            id="counters.E022",
+        )
+    ]
+
+
+def test_audit_interval_that_is_no_number_is_e022(monkeypatch):
+    with monkeypatch.context() as env:
+        env.setenv("COUNTERS_AUDIT_INTERVAL", "hourly")
+        errors = check_settings()
+    assert [e.id for e in errors] == ["counters.E022"]
+    assert errors[0].msg.startswith("COUNTERS_AUDIT_INTERVAL is not a valid number: ")
 
 
 def test_several_errors_are_reported_together(settings):
