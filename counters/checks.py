@@ -17,12 +17,14 @@ POSITIVE = {
     "COUNTERS_SOCKET_TIMEOUT": "counters.E006",
     "COUNTERS_LEDGER_RETENTION": "counters.E007",
     "COUNTERS_FLUSH_PARALLELISM": "counters.E017",
+    "COUNTERS_AUDIT_SLICE": "counters.E020",
+    "COUNTERS_AUDIT_RETENTION": "counters.E021",
 }
 
 
 @register(Tags.compatibility)
 def check_settings(app_configs=None, **kwargs):
-    errors = []
+    errors: list[CheckMessage] = []
     for name, check_id in POSITIVE.items():
         try:
             value = conf.get(name)
@@ -35,6 +37,7 @@ def check_settings(app_configs=None, **kwargs):
                     f"{name} must be a finite number greater than 0 (got {value!r}).", id=check_id
                 )
             )
+    errors += check_audit_interval()
     prefix = conf.get("COUNTERS_KEY_PREFIX")
     if not prefix or any(c in prefix for c in "{} "):
         errors.append(
@@ -70,6 +73,23 @@ def check_redis_url() -> list[Error]:
                 f"COUNTERS_REDIS_URL {url!r} lists several URLs.",
                 hint="A list of nodes names a Redis Cluster: set COUNTERS_REDIS_CLUSTER.",
                 id="counters.E009",
+            )
+        ]
+    return []
+
+
+def check_audit_interval() -> list[CheckMessage]:
+    """COUNTERS_AUDIT_INTERVAL: a whole number of seconds, 0 (or None) for off."""
+    name = "COUNTERS_AUDIT_INTERVAL"
+    try:
+        value = conf.get(name)
+    except (TypeError, ValueError) as exc:
+        return [Error(f"{name} is not a valid number: {exc}", id="counters.E022")]
+    if value is not None and value < 0:
+        return [
+            Error(
+                f"{name} must be 0 (off) or a number of seconds greater than 0 (got {value!r}).",
+                id="counters.E022",
             )
         ]
     return []

@@ -118,6 +118,25 @@ SETTINGS: dict[str, Setting] = {
             "Serve the Prometheus exposition at the counters app's /metrics view; "
             "off, the view answers 404.",
         ),
+        Setting(
+            "COUNTERS_AUDIT_INTERVAL",
+            int,
+            10,
+            "Seconds between two runs of the periodic audit (django-celery-beat); 0 turns "
+            "the periodic audit off.",
+        ),
+        Setting(
+            "COUNTERS_AUDIT_SLICE",
+            int,
+            1000,
+            "Keys of each counter one audit run compares with the truth.",
+        ),
+        Setting(
+            "COUNTERS_AUDIT_RETENTION",
+            int,
+            90 * 24 * 3600,
+            "Seconds the audit's repair records (AuditRepair) are kept.",
+        ),
     )
 }
 
@@ -202,3 +221,16 @@ def databases() -> list[str] | None:
 
 def metrics_enabled() -> bool:
     return get("COUNTERS_METRICS")
+
+
+def audit_interval() -> int:
+    """Seconds between periodic audits; 0 when the periodic audit is off (0 or None)."""
+    return get("COUNTERS_AUDIT_INTERVAL") or 0
+
+
+def audit_slice() -> int:
+    return get("COUNTERS_AUDIT_SLICE")
+
+
+def audit_retention() -> int:
+    return get("COUNTERS_AUDIT_RETENTION")

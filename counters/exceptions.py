@@ -119,11 +119,13 @@ class FlushFailed(CountersError):
 
 
 class RebuildRunning(CountersError):
-    """A full rebuild or a repair of the same key prefix holds ``lease_key``."""
+    """A full rebuild, a repair or an audit of the same key prefix holds ``lease_key``."""
 
     def __init__(self, lease_key: str) -> None:
         self.lease_key = lease_key
-        super().__init__(f"another rebuild is running (it holds {lease_key}); try again later")
+        super().__init__(
+            f"another rebuild or audit is running (it holds {lease_key}); try again later"
+        )
 
 
 class TrackingError(CountersError, ImproperlyConfigured):

@@ -88,3 +88,63 @@ class BufferEpoch(models.Model):
 
     def __str__(self) -> str:
         return f"{self.prefix} shard {self.shard}: {self.token}"
+
+
+class AuditCursor(models.Model):
+    """Where the continuous audit of one counter is: the last key it checked.
+
+    Kept in the database the counter lives in (one row per counter), so a
+    Redis that loses its data does not send every sweep back to the first key.
+    """
+
+    counter = models.CharField(max_length=100, primary_key=True)
+    # NULL, not "": the empty string can be a key.
+    after = models.TextField(  # noqa: DJ001
+        null=True, blank=True, help_text="Last key checked; empty: the next run starts a sweep."
+    )
+    checked = models.BigIntegerField(default=0, help_text="Keys checked in the current sweep.")
+    sweeps = models.PositiveIntegerField(default=0, help_text="Sweeps completed.")
+    sweep_started_at = models.DateTimeField(null=True, blank=True)
+    last_run_at = models.DateTimeField(null=True, blank=True)
+    last_sweep_at = models.DateTimeField(
+        null=True, blank=True, help_text="When the last complete sweep ended."
+    )
+    last_sweep_seconds = models.FloatField(
+        null=True, blank=True, help_text="How long the last complete sweep took, start to end."
+    )
+
+    class Meta:
+        ordering = ["counter"]
+        verbose_name = "audit cursor"
+
+    def __str__(self) -> str:
+        return f"{self.counter}: after {self.after or '(start)'}, {self.sweeps} sweeps"
+
+
+class AuditRepair(models.Model):
+    """One counter the continuous audit found wrong and repaired.
+
+    ``truth - stored - buffered`` was added through the delta path; the
+    readings were taken just before, and the same difference was seen on
+    several readings in a row.
+    """
+
+    counter = models.CharField(max_length=100)
+    key = models.CharField(max_length=255)
+    stored = models.BigIntegerField()
+    buffered = models.BigIntegerField(help_text="Deltas still in Redis when it was read.")
+    truth = models.BigIntegerField()
+    repaired_at = models.DateTimeField(default=timezone.now, db_index=True)
+
+    class Meta:
+        ordering = ["-repaired_at", "-pk"]
+        indexes = [models.Index(fields=["counter", "key"], name="counters_audit_counter_key")]
+        verbose_name = "audit repair"
+
+    def __str__(self) -> str:
+        return f"{self.counter} {self.key}: {self.delta:+d} at {self.repaired_at:%Y-%m-%d %H:%M:%S}"
+
+    @property
+    def delta(self) -> int:
+        """What the repair added."""
+        return self.truth - self.stored - self.buffered

@@ -129,6 +129,57 @@ def _drifts(spec: CounterSpec, page: list[Any], using: str) -> tuple[dict[Any, D
     return drifts, moved
 
 
+def default_confirm_delay() -> float:
+    """Seconds between two readings of a suspect key: longer than a commit takes to
+    reach Redis, or to fall back to the DB after the Redis socket timeout."""
+    return 2 * conf.socket_timeout() + 0.2
+
+
+def confirm_drifts(
+    spec: CounterSpec,
+    page: list[Any],
+    *,
+    confirm_delay: float,
+    using: str,
+    repair: Callable[[dict[Any, Drift]], None] | None = None,
+) -> tuple[list[Drift], list[Any]]:
+    """Read ``page`` and keep reading its suspect keys until each difference is confirmed.
+
+    A difference is confirmed once ``CONFIRM_READINGS`` readings in a row,
+    ``confirm_delay`` apart, showed the same one; ``repair`` (if given) is
+    called at once with the differences each round confirmed. Returns the
+    confirmed differences and the keys that kept changing for
+    ``CONFIRM_ROUNDS`` rounds (nothing is known of them).
+    """
+    drifts, moved = _drifts(spec, page, using)
+    # key -> (latest difference, how many readings in a row showed it)
+    suspects: dict[Any, tuple[Drift | None, int]] = {k: (d, 1) for k, d in drifts.items()}
+    suspects.update(dict.fromkeys(moved, (None, 0)))
+    wrong: list[Drift] = []
+    for _ in range(CONFIRM_ROUNDS):
+        if not suspects:
+            break
+        time.sleep(confirm_delay)
+        again, moved = _drifts(spec, list(suspects), using)
+        confirmed, still = {}, {}
+        for key, (last, seen) in suspects.items():
+            if key in moved:
+                still[key] = (last, seen)  # this reading proves nothing
+            elif key in again:
+                drift = again[key]
+                same = last is not None and last.error == drift.error
+                seen = seen + 1 if same else 1
+                if seen >= CONFIRM_READINGS:
+                    confirmed[key] = drift
+                else:
+                    still[key] = (drift, seen)
+        wrong.extend(confirmed.values())
+        if confirmed and repair is not None:
+            repair(confirmed)
+        suspects = still
+    return wrong, list(suspects)
+
+
 def rebuild(
     name: str,
     *,
@@ -148,40 +199,27 @@ def rebuild(
     if spec.source is None:
         raise NoTruthSource(name)
     if confirm_delay is None:
-        confirm_delay = 2 * conf.socket_timeout() + 0.2
+        confirm_delay = default_confirm_delay()
     # normalised, so "7" is compared with the truth of key 7
     keys = list(dict.fromkeys(map(spec.normalize, keys))) if keys is not None else None
     total = len(keys) if keys is not None else spec.source.estimate(using=using)
     report = RebuildReport(counter=name, dry_run=dry_run)
     started = time.monotonic()
+
+    def repair(confirmed: dict[Any, Drift]) -> None:
+        add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
+        report.repaired += len(confirmed)
+
     for page in _pages(spec, keys, batch_size, using):
-        drifts, moved = _drifts(spec, page, using)
-        # key -> (latest difference, how many readings in a row showed it)
-        suspects: dict[Any, tuple[Drift | None, int]] = {k: (d, 1) for k, d in drifts.items()}
-        suspects.update(dict.fromkeys(moved, (None, 0)))
-        for _ in range(CONFIRM_ROUNDS):
-            if not suspects:
-                break
-            time.sleep(confirm_delay)
-            again, moved = _drifts(spec, list(suspects), using)
-            confirmed, still = {}, {}
-            for key, (last, seen) in suspects.items():
-                if key in moved:
-                    still[key] = (last, seen)  # this reading proves nothing
-                elif key in again:
-                    drift = again[key]
-                    same = last is not None and last.error == drift.error
-                    seen = seen + 1 if same else 1
-                    if seen >= CONFIRM_READINGS:
-                        confirmed[key] = drift
-                    else:
-                        still[key] = (drift, seen)
-            report.wrong.extend(confirmed.values())
-            if confirmed and not dry_run:
-                add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
-                report.repaired += len(confirmed)
-            suspects = still
-        report.unstable.extend(suspects)
+        wrong, unstable = confirm_drifts(
+            spec,
+            page,
+            confirm_delay=confirm_delay,
+            using=using,
+            repair=None if dry_run else repair,
+        )
+        report.wrong.extend(wrong)
+        report.unstable.extend(unstable)
         report.checked += len(page)
         if progress is not None:
             progress(report.checked, max(total, report.checked))
@@ -191,14 +229,37 @@ def rebuild(
 
 
 def rebuild_lease(buffer: Buffer) -> Lease:
-    """The lease that keeps full rebuilds and repairs of one prefix from overlapping.
+    """The lease that keeps full rebuilds, repairs and audits of one prefix from overlapping.
 
-    Two rebuilds confirming the same drift at once would both repair it. The
+    Two of them confirming the same drift at once would both repair it. The
     lease outlives one page of a rebuild (its confirmation rounds included)
     and is extended after each page.
     """
-    page = CONFIRM_ROUNDS * (2 * conf.socket_timeout() + 0.2)
+    page = CONFIRM_ROUNDS * default_confirm_delay()
     return Lease(buffer.client, f"{buffer.prefix}:rebuild", conf.lease_timeout() + page)
+
+
+def audit_holder_key(buffer: Buffer) -> str:
+    """Holds the rebuild lease's token while an audit run holds that lease."""
+    return f"{buffer.prefix}:rebuild:audit"
+
+
+def wait_for_audit(buffer: Buffer, lease: Lease) -> bool:
+    """Take ``lease`` once the audit run that holds it ends; False if something else holds it.
+
+    An audit run holds the rebuild lease for a moment every few seconds: a
+    rebuild that starts meanwhile waits for it (at most one lease time)
+    instead of failing.
+    """
+    deadline = time.monotonic() + lease.ttl_ms / 1000
+    while time.monotonic() < deadline:
+        if lease.acquire():
+            return True
+        holder = buffer.client.get(lease.key)
+        if holder is not None and holder != buffer.client.get(audit_holder_key(buffer)):
+            return False  # a rebuild or a repair holds it
+        time.sleep(0.05)
+    return lease.acquire()
 
 
 def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int | None = None) -> int:
@@ -262,7 +323,7 @@ def rebuild_all(
     buffer = get_buffer(using)
     try:
         with rebuild_lease(buffer) as lease:
-            if not lease.held:
+            if not lease.held and not wait_for_audit(buffer, lease):
                 raise RebuildRunning(lease.key)
 
             def page_done(done: int, total: int) -> None:

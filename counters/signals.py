@@ -33,6 +33,11 @@ def connect_signals(app_config) -> None:
         sender=app_config,
         dispatch_uid="counters.ensure_periodic_task",
     )
+    post_migrate.connect(
+        schedule.ensure_audit_task_after_migrate,
+        sender=app_config,
+        dispatch_uid="counters.ensure_audit_task",
+    )
     connection_created.connect(
         transactions.connection_created, dispatch_uid="counters.follow_transactions"
     )

@@ -1,5 +1,5 @@
 """What the pipeline is doing now: per-shard backlog, batches in flight, leases, epochs,
-failed shards and quarantined deltas. With Redis unreachable, the DB side alone."""
+failed shards, quarantined deltas and the audit. With Redis unreachable, the DB side alone."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Max, Sum
 
 from . import quarantine
+from .audit import audit_status
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
 from .fanout import last_run
@@ -163,6 +164,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
             "deltas": len(quarantined),
             "counters": quarantine.by_counter(quarantined),
         },
+        "audit": audit_status(using),
     }
 
 
@@ -181,4 +183,5 @@ def gather_without_redis(
         "redis": {"reachable": False, "error": error},
         "ledger": ledger_status(using),
         "epoch": epoch,
+        "audit": audit_status(using),
     }

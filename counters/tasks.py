@@ -5,7 +5,8 @@
 itself. With N > 1 it dispatches: per database it settles the direct writes,
 sends N ``counters.flush_shards`` tasks that flush disjoint shard sets on
 whichever workers take them, then repairs queued keys and runs the automatic
-rebuild (see :mod:`counters.fanout`).
+rebuild (see :mod:`counters.fanout`). ``counters.audit`` is the periodic audit (see
+:mod:`counters.audit`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from django.db import DatabaseError
 from . import conf
 from .client import databases
 from .epoch import REBUILD_COMMAND
-from .exceptions import BufferUnavailable
+from .exceptions import BufferUnavailable, CountersError
 from .fanout import FlushRun, finish_run, flush_part, start_run
 from .flusher import FlushResult
 from .flushing import flush_databases
@@ -31,15 +32,17 @@ logger = logging.getLogger(__name__)
 TASK_NAME = "counters.flush"
 #: Name of the task that flushes one part (a shard set) of a parallel run.
 PART_TASK_NAME = "counters.flush_shards"
+#: Name of the periodic audit task (see schedule.py and audit.py).
+AUDIT_TASK_NAME = "counters.audit"
 #: Tasks whose Celery "received" and "succeeded" lines are logged at DEBUG.
-QUIET_TASKS = frozenset({TASK_NAME, PART_TASK_NAME})
+QUIET_TASKS = frozenset({TASK_NAME, PART_TASK_NAME, AUDIT_TASK_NAME})
 
 
 class QuietFlushLog(logging.Filter):
-    """Celery's own "received" and "succeeded" lines of the flush tasks, at DEBUG.
+    """Celery's own "received" and "succeeded" lines of the flush and audit tasks, at DEBUG.
 
-    The flush runs every few seconds; the task logs one line itself when a
-    run did something. A record of this task at INFO is passed on as DEBUG
+    They run every few seconds; each task logs one line itself when a run
+    did something. A record of this task at INFO is passed on as DEBUG
     if its logger shows DEBUG, and dropped otherwise. Other tasks' records,
     and failures, are left as they are.
     """
@@ -199,3 +202,30 @@ def log_rebuild_needed(alias: str, result: FlushResult) -> None:
             result.rebuild_needed_since,
             REBUILD_COMMAND,
         )
+
+
+@shared_task(name=AUDIT_TASK_NAME, ignore_result=True)
+def audit_counters() -> None:
+    """Periodic audit (django-celery-beat) of every database of ``COUNTERS_DATABASES``.
+
+    Does nothing while ``COUNTERS_AUDIT_INTERVAL`` is 0. Each repair is logged
+    by the audit at WARNING; the task logs one line, at INFO when a run
+    repaired something, at DEBUG otherwise. Redis being unreachable is one
+    WARNING line: the audit needs the buffered deltas.
+    """
+    from .audit import audit_databases
+
+    if not conf.audit_interval():
+        logger.debug("the periodic audit is off (COUNTERS_AUDIT_INTERVAL is 0)")
+        return
+    try:
+        results = audit_databases()
+    except CountersError as exc:
+        logger.warning("audit skipped: %s", exc)
+        return
+    busy = any(r.repaired for r in results.values())
+    parts = [
+        f"{alias}: {r.summary()}" if len(results) > 1 else r.summary()
+        for alias, r in results.items()
+    ]
+    logger.log(logging.INFO if busy else logging.DEBUG, "%s", "; ".join(parts))

@@ -1,11 +1,12 @@
 """End to end: a real Celery beat (DatabaseScheduler) and worker keep the stored counters exact.
 
 The test process changes notifications; it never flushes. A ``celery beat``
-subprocess reads the periodic task from the test database and sends
-``counters.flush`` every second through a Redis broker database of this test
-alone; a ``celery worker`` subprocess runs it against the same database and the
-same Redis key prefix. The stored ``UnreadCounter`` rows must reach the
-COUNT(*) truth, twice in a row, through ledgered flush batches.
+subprocess reads the periodic tasks from the test database and sends
+``counters.flush`` and ``counters.audit`` every second through a Redis broker
+database of this test alone; a ``celery worker`` subprocess runs them against
+the same database and the same Redis key prefix. The stored ``UnreadCounter``
+rows must reach the COUNT(*) truth, twice in a row, through ledgered flush
+batches, and a third time after raw SQL corrupted one, repaired by the audit.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import pytest
 import redis
 from django.conf import settings
 from django.db import connection
+from django.db.models import F
 
-from counters.models import FlushBatch
-from counters.schedule import ensure_periodic_task
+from counters.models import AuditRepair, FlushBatch
+from counters.schedule import ensure_audit_task, ensure_periodic_task
 from notifications.models import Notification, UnreadCounter
 from tests.e2e.celery_procs import CeleryProcs
 from tests.helpers import stored, truth
@@ -61,9 +63,11 @@ def broker() -> Iterator[str]:
 def celery_procs(transactional_db, counters_prefix, broker, tmp_path) -> Iterator[CeleryProcs]:
     """Worker and beat against the test database, this test's key prefix and broker."""
     ensure_periodic_task(interval=1)
+    ensure_audit_task(interval=1)
     env = project_env(
         CELERY_BROKER_URL=broker,
         COUNTERS_KEY_PREFIX=counters_prefix,
+        COUNTERS_SOCKET_TIMEOUT="0.5",  # the audit's confirming readings 1.2 s apart
         DJANGO_SETTINGS_MODULE="config.settings",
         LOG_LEVEL="INFO",
     )
@@ -139,6 +143,20 @@ def test_beat_and_worker_keep_stored_counts_exact(celery_procs, make_user):
 
     took += wait_for(celery_procs, "round 2 stored == truth", converged(users, expected))
     print(f"stored counts converged in {took:.1f} s over two rounds")
+    assert not AuditRepair.objects.exists()  # nothing was wrong: the audit repaired nothing
+
+    # Round 3: raw SQL corrupts a stored row; the periodic audit repairs it, the flush stores it.
+    UnreadCounter.objects.filter(user=users[0]).update(count=F("count") + 7)
+    repaired = converged(users, expected)
+    took = wait_for(
+        celery_procs,
+        "round 3 audit repair stored",
+        lambda: AuditRepair.objects.exists() and repaired(),
+    )
+    print(f"the audit repaired the corrupted row in {took:.1f} s")
+    assert list(AuditRepair.objects.values_list("key", "stored", "buffered", "truth")) == [
+        (str(users[0].pk), 12, 0, 5)
+    ]
 
     for user in users:
         # Nothing left buffered: the exact read equals the stored row and the truth.
@@ -152,6 +170,7 @@ def test_beat_and_worker_keep_stored_counts_exact(celery_procs, make_user):
     # Celery's own "received" and "succeeded" lines of each run stay at DEBUG.
     log = (celery_procs.logdir / "worker.log").read_text()
     assert "Task counters.flush[" not in log
+    assert "Task counters.audit[" not in log
     lines = re.findall(r" INFO counters\.tasks (.*)", log)
     assert lines, "no run with work was logged"
     idle = re.compile(r"flushed 0 batches, 0 keys, 0 deltas in \S+")

@@ -158,8 +158,8 @@ def test_one_full_rebuild_at_a_time(manual, own_redis, make_user):
         code, _, err = run_manage("notification_rebuild_counters", env=env())
         assert code == 1
         assert err.strip().splitlines() == [
-            f"CommandError: another rebuild is running (it holds {buffer.prefix}:rebuild); "
-            "try again later"
+            "CommandError: another rebuild or audit is running "
+            f"(it holds {buffer.prefix}:rebuild); try again later"
         ]
     assert counters.flush().rebuild_needed_since is not None
     api.rebuild_all()

@@ -38,6 +38,9 @@ DEFAULTS = {
     "COUNTERS_DATABASES": None,
     "COUNTERS_FLUSH_PARALLELISM": 1,
     "COUNTERS_METRICS": False,
+    "COUNTERS_AUDIT_INTERVAL": 10,
+    "COUNTERS_AUDIT_SLICE": 1000,
+    "COUNTERS_AUDIT_RETENTION": 7_776_000,
 }
 
 
@@ -59,6 +62,9 @@ def test_every_setting_is_known_with_its_default():
         (conf.ledger_retention, "COUNTERS_LEDGER_RETENTION"),
         (conf.flush_parallelism, "COUNTERS_FLUSH_PARALLELISM"),
         (conf.metrics_enabled, "COUNTERS_METRICS"),
+        (conf.audit_interval, "COUNTERS_AUDIT_INTERVAL"),
+        (conf.audit_slice, "COUNTERS_AUDIT_SLICE"),
+        (conf.audit_retention, "COUNTERS_AUDIT_RETENTION"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -205,6 +211,8 @@ def test_every_positive_check_has_its_own_id():
     assert sorted(POSITIVE.values()) == [
         *(f"counters.E00{i}" for i in range(1, 8)),
         "counters.E017",
+        "counters.E020",
+        "counters.E021",
     ]
     assert set(POSITIVE) == set(conf.SETTINGS) - {
         "COUNTERS_REDIS_URL",
@@ -213,7 +221,34 @@ def test_every_positive_check_has_its_own_id():
         "COUNTERS_AUTO_REBUILD",
         "COUNTERS_DATABASES",
         "COUNTERS_METRICS",
+        "COUNTERS_AUDIT_INTERVAL",  # 0 is allowed: E022
     }
+
+
+@pytest.mark.parametrize("value", [0, None, 1, 3600], ids=["zero", "none", "one", "hour"])
+def test_audit_interval_may_be_0_or_none_for_off(settings, value):
+    settings.COUNTERS_AUDIT_INTERVAL = value
+    assert check_settings() == []
+    assert conf.audit_interval() == (value or 0)
+
+
+def test_negative_audit_interval_is_e022(settings):
+    settings.COUNTERS_AUDIT_INTERVAL = -10
+    assert check_settings() == [
+        Error(
+            "COUNTERS_AUDIT_INTERVAL must be 0 (off) or a number of seconds greater than 0 "
+            "(got -10).",
+            id="counters.E022",
+        )
+    ]
+
+
+def test_audit_interval_that_is_no_number_is_e022(monkeypatch):
+    with monkeypatch.context() as env:
+        env.setenv("COUNTERS_AUDIT_INTERVAL", "hourly")
+        errors = check_settings()
+    assert [e.id for e in errors] == ["counters.E022"]
+    assert errors[0].msg.startswith("COUNTERS_AUDIT_INTERVAL is not a valid number: ")
 
 
 def test_several_errors_are_reported_together(settings):

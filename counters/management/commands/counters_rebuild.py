@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
+from redis import RedisError
 
-from counters import api, epoch
+from counters import api, conf, epoch
 from counters.exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
 from counters.management.commands._failures import OneLineFailures, failure
-from counters.rebuild import RebuildReport, rebuild
+from counters.rebuild import RebuildReport, rebuild, wait_for_audit
 from counters.registry import all_specs, get_spec
 
 DRIFT_FOUND = 3
@@ -117,17 +119,7 @@ class Command(OneLineFailures):
                     using=using, batch_size=options["batch_size"], progress=progress
                 )
             else:
-                reports = [
-                    rebuild(
-                        name,
-                        keys=keys,
-                        dry_run=options["dry_run"],
-                        batch_size=options["batch_size"],
-                        progress=progress,
-                        using=using,
-                    )
-                    for name in names
-                ]
+                reports = self.rebuild_some(names, keys, options, progress, using)
         except RebuildRunning as exc:
             raise CommandError(str(exc)) from exc
         except BufferUnavailable as exc:
@@ -146,6 +138,47 @@ class Command(OneLineFailures):
             self.stdout.write(f"the Redis data loss seen since {needed.isoformat()} is repaired")
         if options["dry_run"] and any(r.wrong for r in reports):
             sys.exit(DRIFT_FOUND)
+
+    def rebuild_some(
+        self,
+        names: list[str],
+        keys: list[str] | None,
+        options: dict[str, Any],
+        progress: Progress | None,
+        using: str,
+    ) -> list[RebuildReport]:
+        """Rebuild ``names`` (or only ``keys`` of them); a repair holds the rebuild lease,
+        so that it never overlaps a full rebuild or an audit that could repair the same key."""
+
+        def run(page_done: Callable[[int, int], None] | None) -> list[RebuildReport]:
+            return [
+                rebuild(
+                    name,
+                    keys=keys,
+                    dry_run=options["dry_run"],
+                    batch_size=options["batch_size"],
+                    progress=page_done,
+                    using=using,
+                )
+                for name in names
+            ]
+
+        if options["dry_run"]:
+            return run(progress)
+        buffer = api.get_buffer(using)
+        try:
+            with api.rebuild_lease(buffer) as lease:
+                if not lease.held and not wait_for_audit(buffer, lease):
+                    raise RebuildRunning(lease.key)
+
+                def page_done(done: int, total: int) -> None:
+                    lease.extend()
+                    if progress is not None:
+                        progress(done, total)
+
+                return run(page_done)
+        except RedisError as exc:
+            raise BufferUnavailable(conf.redis_url(), exc) from exc
 
     def report(self, reports: list[RebuildReport], as_json: bool) -> None:
         if as_json:

@@ -31,7 +31,7 @@ def _fmt(value, suffix: str = "") -> str:
 class Command(OneLineFailures):
     help = (
         "Show pending keys, lag, in-flight batches, leases, last flush, failed shards, "
-        "quarantined deltas, fallbacks and epochs."
+        "quarantined deltas, fallbacks, epochs and the audit."
     )
 
     def add_arguments(self, parser) -> None:
@@ -92,6 +92,7 @@ class Command(OneLineFailures):
                 lines.append(f"FAILED shard {shard} in the last flush: {error}")
         lines += self.quarantine_lines(status["quarantine"])
         lines.append(self.ledger_line(status["ledger"]))
+        lines += self.audit_lines(status["audit"])
         lines.append("shard  pending  lag(s)  in-flight batch (keys, age s)        lease (expires)")
         for s in status["shards"]:
             inflight = (
@@ -117,7 +118,36 @@ class Command(OneLineFailures):
         lines += self.rebuild_lines(epoch)
         lines.append(self.ledger_line(status["ledger"]))
         lines.append(f"unsettled direct writes: {status['ledger']['unsettled_fallbacks']}")
+        lines += self.audit_lines(status["audit"])
         return "\n".join(lines)
+
+    @staticmethod
+    def audit_lines(audit: dict) -> list[str]:
+        """The audit's schedule, where each counter's sweep is, and its repairs."""
+        every = f"every {audit['interval']}s" if audit["interval"] else "periodic audit off"
+        repairs = audit["repairs"]
+        lines = [
+            f"audit: {every}, {audit['slice']} keys per counter a run; repairs "
+            f"{repairs['total']} ({repairs['last_24h']} in 24 h, last {_fmt(repairs['last_at'])})"
+        ]
+        for name, c in audit["counters"].items():
+            at = f"after key {c['position']}" if c["position"] is not None else "at the start"
+            last = (
+                f"last sweep done {c['last_sweep_at']} in {c['last_sweep_seconds']:.0f}s"
+                if c["last_sweep_at"] and c["last_sweep_seconds"] is not None
+                else "no sweep done yet"
+            )
+            lines.append(
+                f"  {name}: sweep {c['sweeps'] + 1} {at} ({c['checked_this_sweep']} keys so far), "
+                f"{last}"
+            )
+        for r in repairs["recent"]:
+            lines.append(
+                f"  repaired {r['counter']} {r['key']} at {r['at']}: stored {r['stored']} + "
+                f"buffered {r['buffered']}, truth {r['truth']} "
+                f"({r['truth'] - r['stored'] - r['buffered']:+d})"
+            )
+        return lines
 
     @staticmethod
     def rebuild_lines(epoch: dict) -> list[str]:

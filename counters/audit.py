@@ -1,0 +1,441 @@
+"""The continuous audit: a bounded slice of keys per run compared with the truth, drift repaired.
+
+Each run takes, for every counter that has a truth source, the next
+``COUNTERS_AUDIT_SLICE`` keys after that counter's cursor, in the keyset
+order of its truth source (``keys_after``), in pages of at most
+:data:`PAGE` keys. It compares the exact value (stored + buffered) of each
+key with the truth, read just before and just after it, and repairs a
+difference only once the rebuild's confirmation saw the same one on
+``CONFIRM_READINGS`` readings in a row (:func:`counters.rebuild.confirm_drifts`):
+a write that committed but has not reached Redis yet, or a key that moved
+while it was read, is never taken for drift. The repair is
+``truth - stored - buffered`` added through ``add_many()``, the delta path,
+and it is logged and recorded (:class:`~counters.models.AuditRepair`) in the
+same transaction. When a run reaches the last key, the sweep is complete and
+the next run starts again from the first key.
+
+The cursor of each counter is a row of :class:`~counters.models.AuditCursor`
+in the database the counter lives in: it survives a Redis that loses its
+data (the moment drift is most likely), each database alias has its own,
+and the admin shows it. A run holds the rebuild lease of the alias's key
+prefix (:func:`counters.rebuild.rebuild_lease`), so it never overlaps a full
+rebuild, a repair of keys read below zero, or another audit; a run that
+finds the lease taken does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
+from django.db.models import Count, Max
+from django.utils import timezone
+from redis import RedisError
+
+from . import conf
+from .buffer import Buffer
+from .client import databases, get_buffer
+from .exceptions import BufferUnavailable, InvalidKey
+from .models import AuditCursor, AuditRepair
+from .rebuild import (
+    Drift,
+    NoTruthSource,
+    audit_holder_key,
+    confirm_drifts,
+    default_confirm_delay,
+    rebuild_lease,
+)
+from .registry import CounterSpec, TruthSource, all_specs, get_spec
+from .utils import first_line, to_str
+from .writes import add_many
+
+logger = logging.getLogger(__name__)
+
+#: Most keys read in one statement; a larger slice is checked page by page.
+PAGE = 1000
+#: Repairs logged one by one per counter and run; the rest in one line.
+LOGGED_REPAIRS = 10
+#: Longest key text kept in a repair record or a cursor.
+KEY_LENGTH = 255
+
+
+@dataclass
+class CounterAudit:
+    """What one run did for one counter."""
+
+    counter: str
+    checked: int = 0
+    first: Any = None
+    last: Any = None
+    sweep_done: bool = False  # this run reached the last key: the next one starts over
+    sweeps: int = 0
+    repaired: list[Drift] = field(default_factory=list)
+    unstable: list[Any] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "counter": self.counter,
+            "checked": self.checked,
+            "first": self.first,
+            "last": self.last,
+            "sweep_done": self.sweep_done,
+            "sweeps": self.sweeps,
+            "repaired": [
+                {"key": d.key, "stored": d.stored, "buffered": d.pending, "truth": d.truth}
+                for d in self.repaired
+            ],
+            "unstable": list(self.unstable),
+        }
+
+
+@dataclass
+class AuditResult:
+    """What one audit run of one database alias did."""
+
+    using: str
+    counters: list[CounterAudit] = field(default_factory=list)
+    skipped: str | None = None  # why the run did nothing (another audit or a rebuild runs)
+    stopped: str | None = None  # why the run stopped early (its lease was lost)
+    seconds: float = 0.0
+
+    @property
+    def checked(self) -> int:
+        return sum(c.checked for c in self.counters)
+
+    @property
+    def repaired(self) -> int:
+        return sum(len(c.repaired) for c in self.counters)
+
+    @property
+    def unstable(self) -> int:
+        return sum(len(c.unstable) for c in self.counters)
+
+    def summary(self) -> str:
+        if self.skipped:
+            return f"audit skipped: {self.skipped}"
+        n = len(self.counters)
+        text = (
+            f"audited {self.checked} keys of {n} counter{'' if n == 1 else 's'}, "
+            f"repaired {self.repaired} in {self.seconds:.3f}s"
+        )
+        if self.unstable:
+            text += f"; {self.unstable} kept changing (checked again next sweep)"
+        done = [c.counter for c in self.counters if c.sweep_done]
+        if done:
+            text += f"; sweep complete: {', '.join(done)}"
+        if self.stopped:
+            text += f"; stopped early: {self.stopped}"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "using": self.using,
+            "skipped": self.skipped,
+            "stopped": self.stopped,
+            "seconds": round(self.seconds, 6),
+            "checked": self.checked,
+            "repaired": self.repaired,
+            "unstable": self.unstable,
+            "counters": [c.as_dict() for c in self.counters],
+        }
+
+
+class _LeaseLost(Exception):
+    """The rebuild lease expired during a run: stop before another run overlaps this one."""
+
+
+class _Hold:
+    """The rebuild lease, held by an audit run, and the mark that says an audit holds it.
+
+    A rebuild that finds the lease taken by an audit waits for the run to end
+    (:func:`counters.rebuild.wait_for_audit`) instead of failing. The mark is
+    removed only after the lease is released, so such a rebuild never sees
+    the lease held without it.
+    """
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.lease = rebuild_lease(buffer)
+        self.client = buffer.client
+        self.mark = audit_holder_key(buffer)
+
+    def __enter__(self) -> _Hold:
+        if self.lease.acquire():
+            self.client.set(self.mark, self.lease.token, px=self.lease.ttl_ms)
+        return self
+
+    def extend(self) -> None:
+        """Renew the lease and the mark; raises :class:`_LeaseLost` if the lease is gone."""
+        if not self.lease.extend():
+            raise _LeaseLost
+        self.client.pexpire(self.mark, self.lease.ttl_ms)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        held = self.lease.held
+        self.lease.__exit__(exc_type, exc, tb)
+        if held:
+            try:
+                if to_str(self.client.get(self.mark)) == self.lease.token:
+                    self.client.delete(self.mark)
+            except RedisError:
+                if exc is None:
+                    raise  # else it expires by itself; never mask the original error
+
+
+def audited_specs(names: list[str] | None = None) -> list[CounterSpec]:
+    """The counters an audit checks: every one with a truth source, or those ``names``."""
+    if names is None:
+        return [spec for spec in all_specs() if spec.source is not None]
+    specs = [get_spec(name) for name in dict.fromkeys(names)]
+    for spec in specs:
+        if spec.source is None:
+            raise NoTruthSource(spec.name)
+    return specs
+
+
+def audit(
+    using: str = DEFAULT_DB_ALIAS,
+    *,
+    names: list[str] | None = None,
+    slice_size: int | None = None,
+    confirm_delay: float | None = None,
+) -> AuditResult:
+    """One audit run of database ``using``: the next slice of keys of every audited counter.
+
+    ``slice_size`` defaults to ``COUNTERS_AUDIT_SLICE``, ``confirm_delay`` to
+    the rebuild's (``2 * COUNTERS_SOCKET_TIMEOUT + 0.2`` s). Raises
+    :class:`BufferUnavailable` when Redis cannot be reached: without the
+    buffered deltas the exact values are unknown. Returns with ``skipped``
+    set, having done nothing, when a rebuild or another audit of the same key
+    prefix is running.
+    """
+    specs = audited_specs(names)
+    slice_size = conf.audit_slice() if slice_size is None else slice_size
+    if slice_size < 1:
+        raise ValueError(f"the audit slice must be at least 1 key (got {slice_size})")
+    if confirm_delay is None:
+        confirm_delay = default_confirm_delay()
+    result = AuditResult(using=using)
+    started = time.monotonic()
+    buffer = get_buffer(using)
+    try:
+        with _Hold(buffer) as hold:
+            lease = hold.lease
+            if not lease.held:
+                result.skipped = f"a rebuild or another audit holds {lease.key}"
+                return result
+            try:
+                for spec in specs:
+                    report = CounterAudit(spec.name)
+                    result.counters.append(report)
+                    _audit_counter(spec, report, slice_size, confirm_delay, hold, using)
+            except _LeaseLost:
+                result.stopped = f"the lease {lease.key} expired"
+                logger.warning("audit of %r stopped: its lease %s expired", using, lease.key)
+            if any(c.sweep_done for c in result.counters):
+                _prune(using)
+    except RedisError as exc:
+        raise BufferUnavailable(conf.redis_url(), exc) from exc
+    finally:
+        result.seconds = time.monotonic() - started
+    return result
+
+
+def audit_databases(*, slice_size: int | None = None) -> dict[str, AuditResult]:
+    """One audit run of each database of ``COUNTERS_DATABASES``; {alias: AuditResult}.
+
+    A database that fails does not keep the others from being audited; the
+    first error is raised once all have run. Redis unreachable stops at once.
+    """
+    results: dict[str, AuditResult] = {}
+    error: Exception | None = None
+    aliases = databases()
+    for alias in aliases:
+        try:
+            results[alias] = audit(alias, slice_size=slice_size)
+        except BufferUnavailable:
+            raise
+        except DatabaseError as exc:
+            if len(aliases) > 1:
+                logger.error("audit of database %r failed: %s", alias, first_line(exc, 300))
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+def _source(spec: CounterSpec) -> TruthSource:
+    if spec.source is None:
+        raise NoTruthSource(spec.name)
+    return spec.source
+
+
+def _position(spec: CounterSpec, cursor: AuditCursor) -> Any:
+    """The cursor's last key as the key field's value; None at the start of a sweep."""
+    if cursor.after is None:
+        return None
+    try:
+        return spec.normalize(cursor.after)
+    except InvalidKey as exc:  # the key field changed type since: start the sweep again
+        logger.warning("audit of %s: cursor %r dropped (%s)", spec.name, cursor.after[:100], exc)
+        return None
+
+
+def _start_sweep(cursor: AuditCursor) -> None:
+    cursor.after = None
+    cursor.checked = 0
+    cursor.sweep_started_at = timezone.now()
+
+
+def _end_sweep(cursor: AuditCursor, report: CounterAudit) -> None:
+    now = timezone.now()
+    cursor.sweeps += 1
+    cursor.last_sweep_at = now
+    started = cursor.sweep_started_at
+    cursor.last_sweep_seconds = (now - started).total_seconds() if started else None
+    cursor.after = None
+    report.sweep_done = True
+
+
+def _audit_counter(
+    spec: CounterSpec,
+    report: CounterAudit,
+    slice_size: int,
+    confirm_delay: float,
+    hold: _Hold,
+    using: str,
+) -> None:
+    source = _source(spec)
+    cursor, _ = AuditCursor.objects.using(using).get_or_create(counter=spec.name)
+    after = _position(spec, cursor)
+    if after is None:
+        _start_sweep(cursor)
+    restarted = False
+    remaining = slice_size
+    try:
+        while remaining > 0:
+            limit = min(PAGE, remaining)
+            page = source.keys_after(after, limit, using=using)
+            if not page and after is not None and not restarted and report.checked == 0:
+                # The last run stopped on the last key: this run completes the sweep
+                # and checks the first slice of the next one.
+                _end_sweep(cursor, report)
+                _start_sweep(cursor)
+                after, restarted = None, True
+                continue
+            if page:
+                _check_page(spec, page, report, confirm_delay, using)
+                if report.first is None:
+                    report.first = page[0]
+                report.last = after = page[-1]
+                cursor.after = str(after)[:KEY_LENGTH]
+                cursor.checked += len(page)
+                remaining -= len(page)
+            if len(page) < limit:
+                _end_sweep(cursor, report)
+                break
+            hold.extend()
+    finally:
+        cursor.last_run_at = timezone.now()
+        cursor.save(using=using)
+        report.sweeps = cursor.sweeps
+
+
+def _check_page(
+    spec: CounterSpec, page: list[Any], report: CounterAudit, confirm_delay: float, using: str
+) -> None:
+    def repair(confirmed: dict[Any, Drift]) -> None:
+        record_repairs(spec, list(confirmed.values()), using)
+        report.repaired.extend(confirmed.values())
+
+    _, unstable = confirm_drifts(
+        spec, page, confirm_delay=confirm_delay, using=using, repair=repair
+    )
+    report.checked += len(page)
+    report.unstable.extend(unstable)
+
+
+def record_repairs(spec: CounterSpec, drifts: list[Drift], using: str) -> None:
+    """Repair ``drifts`` through the delta path, recorded and logged.
+
+    The repair records and the deltas belong to one transaction: the deltas
+    are sent after its COMMIT like every other change.
+    """
+    rows = [
+        AuditRepair(
+            counter=spec.name,
+            key=str(d.key)[:KEY_LENGTH],
+            stored=d.stored,
+            buffered=d.pending,
+            truth=d.truth,
+        )
+        for d in drifts
+    ]
+    with transaction.atomic(using=using):
+        AuditRepair.objects.using(using).bulk_create(rows)
+        add_many(spec.name, {d.key: -d.error for d in drifts}, using=using)
+    for d in drifts[:LOGGED_REPAIRS]:
+        logger.warning(
+            "audit repaired %s %s: stored %s + buffered %s, truth %s (%+d)",
+            spec.name,
+            str(d.key)[:100],
+            d.stored,
+            d.pending,
+            d.truth,
+            -d.error,
+        )
+    if len(drifts) > LOGGED_REPAIRS:
+        logger.warning("audit repaired %s more keys of %s", len(drifts) - LOGGED_REPAIRS, spec.name)
+
+
+def _prune(using: str) -> None:
+    cutoff = timezone.now() - timedelta(seconds=conf.audit_retention())
+    AuditRepair.objects.using(using).filter(repaired_at__lt=cutoff).delete()
+
+
+def audit_status(using: str = DEFAULT_DB_ALIAS, recent: int = 5) -> dict[str, Any]:
+    """What ``counters_status`` shows of the audit: settings, cursors and repairs (DB only)."""
+    now = timezone.now()
+    cursors = {c.counter: c for c in AuditCursor.objects.using(using)}
+    counters: dict[str, dict[str, Any]] = {}
+    for spec in audited_specs():
+        c = cursors.get(spec.name)
+        counters[spec.name] = {
+            "position": c.after if c else None,
+            "checked_this_sweep": c.checked if c else 0,
+            "sweeps": c.sweeps if c else 0,
+            "last_run_at": _iso(c.last_run_at) if c else None,
+            "last_sweep_at": _iso(c.last_sweep_at) if c else None,
+            "last_sweep_seconds": c.last_sweep_seconds if c else None,
+        }
+    repairs = AuditRepair.objects.using(using)
+    day = repairs.filter(repaired_at__gte=now - timedelta(days=1))
+    totals = repairs.aggregate(n=Count("pk"), last=Max("repaired_at"))
+    return {
+        "interval": conf.audit_interval(),
+        "slice": conf.audit_slice(),
+        "counters": counters,
+        "repairs": {
+            "total": totals["n"],
+            "last_24h": day.count(),
+            "last_at": _iso(totals["last"]),
+            "recent": [
+                {
+                    "counter": r.counter,
+                    "key": r.key,
+                    "stored": r.stored,
+                    "buffered": r.buffered,
+                    "truth": r.truth,
+                    "at": _iso(r.repaired_at),
+                }
+                for r in repairs[:recent]
+            ],
+        },
+    }
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None else None
