@@ -124,7 +124,7 @@ def servers(counters_prefix, tmp_path) -> Iterator[dict]:
     ]
     web = start(web_command, env, tmp_path / "web.log")
     worker = start(worker_command, env, tmp_path / "worker.log")
-    app = Celery("metrics-test", broker=broker_url())
+    app = Celery("metrics-test", broker=broker_url(), set_as_current=False)
     try:
         wait_for_port(web, port, time.monotonic() + 60)
         yield {
