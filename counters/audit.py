@@ -36,7 +36,7 @@ from django.db.models import Count, Max
 from django.utils import timezone
 from redis import RedisError
 
-from . import conf
+from . import conf, metrics
 from .buffer import Buffer
 from .client import databases, get_buffer
 from .exceptions import BufferUnavailable, InvalidKey
@@ -377,6 +377,7 @@ def record_repairs(spec: CounterSpec, drifts: list[Drift], using: str) -> None:
     with transaction.atomic(using=using):
         AuditRepair.objects.using(using).bulk_create(rows)
         add_many(spec.name, {d.key: -d.error for d in drifts}, using=using)
+    metrics.drift(spec.name, len(drifts), len(drifts), using=using)
     for d in drifts[:LOGGED_REPAIRS]:
         logger.warning(
             "audit repaired %s %s: stored %s + buffered %s, truth %s (%+d)",

@@ -243,6 +243,24 @@ def test_drift_found_and_repaired(client, enabled, make_user):
     assert stored(alice) == truth(alice) == 1
 
 
+def test_drift_the_audit_repairs_is_counted(client, enabled, make_user):
+    from counters.audit import audit
+
+    alice, bob = make_user(), make_user()
+    for user in (alice, bob, bob):
+        Notification.objects.create(recipient=user, verb="x")
+    counters.flush()
+    UnreadCounter.objects.filter(user=bob).update(count=9)  # raw corruption of one key
+    before = scrape(client)
+    result = audit(names=["unread"], slice_size=1000, confirm_delay=0.01)
+    assert result.repaired == 1
+    after = scrape(client)
+    assert moved(before, after, "tally_drift_found_total", counter="unread") == 1
+    assert moved(before, after, "tally_drift_repaired_total", counter="unread") == 1
+    counters.flush()
+    assert (stored(alice), stored(bob)) == (truth(alice), truth(bob)) == (1, 2)
+
+
 def test_an_epoch_loss_until_the_rebuild(client, enabled, settings, make_user):
     settings.COUNTERS_AUTO_REBUILD = False
     alice = make_user()
