@@ -453,10 +453,10 @@ class Buffer:
                 else:
                     raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
             if 2 in codes:
-                raise StalePush(str(pid))
+                raise StalePush(str(push_id))
             changed = {shard for shard, code in zip(groups, codes, strict=True) if code == 1}
         if refused:
-            raise ScoreLimitExceeded(str(pid), refused, changed)
+            raise ScoreLimitExceeded(str(push_id), refused, changed)
         return changed
 
     def fence(self, members: Iterable[str], push_id: PushId | str) -> set[int]:
