@@ -192,7 +192,11 @@ def _run(scheme: OldScheme | NewScheme, pushes: int, threads: int, members: int)
     result["bytes_per_push"] = round(result["idempotency_bytes"] / pushes, 1)
     if isinstance(scheme, NewScheme):
         result["writers"] = len(scheme.writers)
+    held = _used_memory(client)
     _delete(client, every)
+    # What deleting the run's keys gave back: their whole footprint, allocator included,
+    # over a moment short enough for the rest of a shared server to change little.
+    result["used_memory_freed"] = held - _used_memory(client)
     if seconds * 1000 > PUSH_MARKER_TTL_MS:
         result["note"] = "ran longer than the marker TTL: early markers had expired"
     return result

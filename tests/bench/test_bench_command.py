@@ -204,6 +204,8 @@ def test_idempotency_section_old_markers_grow_and_new_marks_stay_flat(idempotenc
         assert 1 <= new["writers"] <= threads
         assert 1 <= new["idempotency_keys"] <= shards * new["writers"]
         assert new["idempotency_bytes"] < old["idempotency_bytes"] / 10
+        assert isinstance(old["used_memory_freed"], int)
+        assert isinstance(new["used_memory_freed"], int)
         # Both counted every push.
         assert old["pending_members"] == new["pending_members"] == idem["members"]
     assert idem["new_flat"] is True
