@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-SECTIONS = ("writes", "flush", "parallel", "reads", "memory")
+SECTIONS = ("writes", "flush", "parallel", "reads", "memory", "idempotency")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class BenchConfig:
     read_samples: int = 200
     memory_small: int = 10_000
     memory_large: int = 1_000_000
+    #: Pushes of the idempotency section per scheme (then three times as many), and its threads.
+    idem_pushes: int = 100_000
+    idem_threads: int = 4
     quick: bool = False
 
     @classmethod
@@ -53,6 +56,7 @@ class BenchConfig:
             read_samples=20,
             memory_small=500,
             memory_large=5_000,
+            idem_pushes=2_000,
             quick=True,
         )
         return replace(small, **overrides)

@@ -11,14 +11,13 @@ from __future__ import annotations
 import random
 import statistics
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from django.db import connection, transaction
 
-from counters import conf, flusher
+from counters import conf, flusher, writers
 from counters.apply import CHUNK
 from counters.buffer import Buffer
 from counters.models import FlushBatch
@@ -48,7 +47,8 @@ def seed_pending(buffer: Buffer, deltas: Mapping[int, int]) -> None:
     spec = get_spec(UNREAD_COUNTER)
     items = [(spec.member(key), delta) for key, delta in deltas.items()]
     for chunk in batched(items, PUSH_CHUNK):
-        buffer.push(dict(chunk), uuid.uuid4().hex)
+        with writers.pushing() as push_id:
+            buffer.push(dict(chunk), push_id)
 
 
 @contextmanager

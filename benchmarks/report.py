@@ -174,6 +174,28 @@ def render(results: dict) -> str:
             f"{large['peak_mb']:.1f} MB with {large['keys']:,} keys, growth "
             f"{mem['growth_mb']:.1f} MB   (load {_load(mem['load'])})",
         ]
+    if "idempotency" in results:
+        idem = results["idempotency"]
+        lines += [
+            "",
+            f"idempotency: Redis keys and bytes of deduplication, {idem['threads']} threads, "
+            f"{idem['shards']} shards, one delta a push   (load {_load(idem['load'])})",
+            f"{'pushes':>9} {'scheme':<7}{'keys':>9}{'bytes':>13}{'bytes/push':>11}"
+            f"{'freed':>13}{'pushes/s':>10}",
+        ]
+        for size, by_scheme in idem["runs"].items():
+            for name, run in by_scheme.items():
+                lines.append(
+                    f"{int(size):>9,} {name:<7}{run['idempotency_keys']:>9,}"
+                    f"{run['idempotency_bytes']:>13,}{run['bytes_per_push']:>11.1f}"
+                    f"{run['used_memory_freed']:>13,}"
+                    f"{run['pushes_per_s']:>10,}"
+                )
+        lines.append(
+            f"keys x3 pushes: old x{idem['old_growth']}, new x{idem['new_growth']}; new keys "
+            f"<= shards x threads ({idem['new_keys_limit']}): {idem['new_flat']}; freed: INFO "
+            "used_memory given back by deleting the run's keys (pending sets included)"
+        )
     if results["targets"]:
         lines += ["", "targets:"]
         for t in results["targets"]:

@@ -17,7 +17,7 @@ from counters import conf
 from counters.buffer import Buffer
 from counters.cluster import ClusterClient
 
-from . import data, flush, memory, parallel, reads, report, writers
+from . import data, flush, idempotency, memory, parallel, reads, report, writers
 from .child import ChildContext
 from .config import BenchConfig
 from .errors import BenchError
@@ -89,12 +89,22 @@ def _memory(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
     return memory.measure(buffer, ChildContext.from_parent(), users, sizes)
 
 
+def _idempotency(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
+    n, threads = config.idem_pushes, config.idem_threads
+    progress(
+        f"idempotency: {n:,} and {3 * n:,} pushes from {threads} threads, per-push markers "
+        "(the old scheme) against writer marks"
+    )
+    return idempotency.measure(buffer.client, buffer.prefix, buffer.shards, n, threads)
+
+
 SECTION_RUNNERS: dict[str, Callable[..., dict]] = {
     "writes": _writes,
     "flush": _flush,
     "parallel": _parallel,
     "reads": _reads,
     "memory": _memory,
+    "idempotency": _idempotency,
 }
 
 

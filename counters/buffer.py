@@ -15,7 +15,10 @@ each script touches one Redis Cluster slot)::
                                        highest applied: Redis behind it went back in time
     <prefix>:{sN}:epoch          STR   token that vanishes if Redis loses its data (epoch.py)
     <prefix>:{sN}:lease          STR   flusher lease token (see lease.py)
-    <prefix>:{sN}:push:<id>      STR   short-lived marker that makes a push idempotent
+    <prefix>:{sN}:w:<writer>     HASH  seq -> highest push of the writer applied here, fenced ->
+                                       lowest push fenced (a push the writer gave up on); lives
+                                       PUSH_MARKER_TTL_MS after its last push: one key per
+                                       writer, however many pushes (writers.py)
     <prefix>:{sN}:quarantine     HASH  "<batch id>|<member>" -> JSON {member, delta, error, at}:
                                        deltas that failed alone, kept until retried or discarded
 
@@ -45,28 +48,35 @@ from .cluster import Client
 from .exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
 from .scripts import DrainScript
 from .utils import to_str
+from .writers import PushId
 
-# Add deltas to one shard's pending set once per push id, unless the push is older than
-# ARGV[3] ms (delivered late) or was fenced, or a sum would leave the exact range of a score.
+# Add deltas to one shard's pending set as push ARGV[4] of writer KEYS[2], unless the writer's
+# high-water mark is already there (a repeat, or an older push delivered late), the push is
+# fenced, it is older than ARGV[3] ms (delivered late), or a sum would leave the exact range
+# of a score. The writer's hash holds 'seq' (the highest push applied here) and 'fenced' (the
+# lowest push fenced), and lives ARGV[1] ms after its last push or fence.
 PUSH_SCRIPT = """
-local pending, marker, since = KEYS[1], KEYS[2], KEYS[3]
-local ttl, sent_at, max_age = ARGV[1], ARGV[2], ARGV[3]
+local pending, writer, since = KEYS[1], KEYS[2], KEYS[3]
+local ttl, sent_at, max_age, seq = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local limit = 9007199254740992
 local now = redis.call('TIME')
 if (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)) - tonumber(sent_at)
     > tonumber(max_age) then
   return 2
 end
-if redis.call('EXISTS', marker) == 1 then return 0 end
+local state = redis.call('HMGET', writer, 'seq', 'fenced')
+if seq <= tonumber(state[1] or '0') then return 0 end
+if state[2] and seq >= tonumber(state[2]) then return 0 end
 local refused = {3}
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   local sum = tonumber(redis.call('ZSCORE', pending, ARGV[i]) or '0') + tonumber(ARGV[i + 1])
   if sum >= limit or sum <= -limit then refused[#refused + 1] = ARGV[i] end
 end
 if #refused > 1 then return refused end
-redis.call('SET', marker, '1', 'PX', ttl)
+redis.call('HSET', writer, 'seq', seq)
+redis.call('PEXPIRE', writer, ttl)
 redis.call('SET', since, sent_at, 'NX')
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   if tonumber(redis.call('ZINCRBY', pending, ARGV[i + 1], ARGV[i])) == 0 then
     redis.call('ZREM', pending, ARGV[i])
   end
@@ -74,17 +84,23 @@ end
 return 1
 """
 
-# Fence push KEYS[1] so it can never apply; 1 if it had already been applied, else 0.
+# Fence push ARGV[2] of writer KEYS[1] (its last: a writer is retired after a push it could
+# not resolve): 1 if it was applied, else mark it so that it can never apply and return 0.
+# KEYS[2], when given, is the marker key of a push id from before writer ids: applied if '1',
+# else set to 'fenced'.
 FENCE_SCRIPT = """
-local marker = KEYS[1]
-local ttl = ARGV[1]
-local value = redis.call('GET', marker)
-if not value then
-  redis.call('SET', marker, 'fenced', 'PX', ttl)
-  return 0
+local writer, legacy = KEYS[1], KEYS[2]
+local ttl, seq = ARGV[1], tonumber(ARGV[2])
+local state = redis.call('HMGET', writer, 'seq', 'fenced')
+if seq <= tonumber(state[1] or '0') then return 1 end
+if legacy then
+  local value = redis.call('GET', legacy)
+  if value == '1' then return 1 end
+  if not value then redis.call('SET', legacy, 'fenced', 'PX', ttl) end
 end
-if value == 'fenced' then return 0 end
-return 1
+if not state[2] or seq < tonumber(state[2]) then redis.call('HSET', writer, 'fenced', seq) end
+redis.call('PEXPIRE', writer, ttl)
+return 0
 """
 
 # Return the batch in flight, or move up to ARGV[2] pending members (only members ARGV[4..]
@@ -148,17 +164,17 @@ return 0
 """
 
 # Snapshot for reads: generation, batch id in flight, pending and in-flight score per member,
-# then the value of each push marker KEYS[6..] ('' when absent).
+# then the high-water mark of each writer KEYS[6..] ('0' when absent).
 READ_SCRIPT = """
 local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local members, first_marker = ARGV, 6
+local members, first_writer = ARGV, 6
 local out = {redis.call('GET', gen) or '0', redis.call('HGET', batch, 'id') or ''}
 for _, member in ipairs(members) do
   out[#out + 1] = redis.call('ZSCORE', pending, member) or '0'
   out[#out + 1] = redis.call('ZSCORE', inflight, member) or '0'
 end
-for i = first_marker, #KEYS do
-  out[#out + 1] = redis.call('GET', KEYS[i]) or ''
+for i = first_writer, #KEYS do
+  out[#out + 1] = redis.call('HGET', KEYS[i], 'seq') or '0'
 end
 return out
 """
@@ -235,8 +251,8 @@ return out
 #: A push delivered later than this after it was sent is refused (a late TCP delivery
 #: after the writer gave up and wrote to the DB instead).
 PUSH_MAX_AGE_MS = 30_000
-#: How long a push id is remembered; longer than PUSH_MAX_AGE_MS plus the time a
-#: flush needs to fence the pushes of fallback writes.
+#: How long a writer's high-water mark is kept after its last push or fence; longer than
+#: PUSH_MAX_AGE_MS plus the time a flush needs to fence the pushes of fallback writes.
 PUSH_MARKER_TTL_MS = 180_000
 #: Scores are doubles: integers are exact below this magnitude (the script's ``limit``).
 SCORE_LIMIT = 2**53
@@ -267,15 +283,22 @@ class Batch:
 class Snapshot:
     """What Redis holds for some members at one instant.
 
-    ``markers`` has the push marker of each requested push id in each shard
-    read: (shard, push id) -> "1" (applied), "fenced", or "" (unknown).
+    ``hwms`` has the high-water mark of each writer of the requested push
+    ids (and of their take-backs) in each shard read: (shard, writer) ->
+    highest sequence number applied there (0: none, or forgotten).
     """
 
     gens: dict[int, int]
     inflight_ids: dict[int, str]
     pending: dict[str, int]
     inflight: dict[str, int]
-    markers: dict[tuple[int, str], str] = field(default_factory=dict)
+    hwms: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    def applied(self, shard: int, push_id: PushId | str) -> bool:
+        """Did push ``push_id`` apply in ``shard``? (For the last push of its writer:
+        the writer of an unsettled direct write was retired with it.)"""
+        push_id = PushId.of(push_id)
+        return self.hwms.get((shard, push_id.writer), 0) >= push_id.seq
 
 
 @dataclass(frozen=True)
@@ -372,12 +395,19 @@ class Buffer:
         return groups
 
     # -- write path -----------------------------------------------------------
-    def push(self, deltas: Mapping[str, int], push_id: str) -> set[int]:
+    def writer_key(self, shard: int, writer: str) -> str:
+        """The key of ``writer``'s high-water mark in ``shard``."""
+        return self.key(shard, f"w:{writer}")
+
+    def push(self, deltas: Mapping[str, int], push_id: PushId | str) -> set[int]:
         """Add ``deltas`` ({member: delta}) in one round trip, one atomic script per shard.
 
-        ``push_id`` makes the call idempotent: repeating it with the same id
-        (after a lost reply) adds nothing twice. Returns the shards this call
-        changed (a shard that already had this push id is left out).
+        ``push_id`` (a :class:`~counters.writers.PushId`; text is read with
+        :meth:`PushId.of`) makes the call idempotent: each shard applies a
+        writer's pushes only in increasing order, so repeating the call (after
+        a lost reply) adds nothing twice, and neither does an older push of the
+        same writer delivered late. Returns the shards this call changed (a
+        shard that already had this push is left out).
 
         A score is a double, exact for integers below 2**53 in magnitude. A
         delta that large is never sent, and a shard where some member's sum
@@ -385,6 +415,7 @@ class Buffer:
         those members. The caller applies them elsewhere and pushes the rest
         again with the same id, which completes the refused shards only.
         """
+        pid = PushId.of(push_id)
         groups: dict[int, list[str | int]] = defaultdict(list)
         refused: dict[str, int] = {}
         for member, delta in deltas.items():
@@ -401,10 +432,10 @@ class Buffer:
                 (
                     [
                         self.key(shard, "pending"),
-                        self.key(shard, f"push:{push_id}"),
+                        self.writer_key(shard, pid.writer),
                         self.key(shard, "since"),
                     ],
-                    [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, *args],
+                    [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, pid.seq, *args],
                 )
                 for shard, args in groups.items()
             ]
@@ -422,20 +453,30 @@ class Buffer:
                 else:
                     raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
             if 2 in codes:
-                raise StalePush(push_id)
+                raise StalePush(str(push_id))
             changed = {shard for shard, code in zip(groups, codes, strict=True) if code == 1}
         if refused:
-            raise ScoreLimitExceeded(push_id, refused, changed)
+            raise ScoreLimitExceeded(str(push_id), refused, changed)
         return changed
 
-    def fence(self, members: Iterable[str], push_id: str) -> set[int]:
+    def fence(self, members: Iterable[str], push_id: PushId | str) -> set[int]:
         """Make push ``push_id`` of ``members`` unable to apply from now on.
 
-        Returns the shards where it had already been applied (a late delivery
-        of a push the writer gave up on).
+        ``push_id`` must be the last push of its writer (the writer was retired
+        after it). Returns the shards where it had already been applied (a
+        late delivery of a push the writer gave up on). Text that is not a
+        ``"<writer>:<seq>"`` id also fences the marker key such an id had
+        before writer ids (``push:<id>``), for direct writes made before them.
         """
+        pid = PushId.of(push_id)
+        legacy = isinstance(push_id, str) and str(pid) != push_id
         shards = sorted(self.by_shard(members))
-        calls = [([self.key(shard, f"push:{push_id}")], [PUSH_MARKER_TTL_MS]) for shard in shards]
+        calls = []
+        for shard in shards:
+            keys = [self.writer_key(shard, pid.writer)]
+            if legacy:
+                keys.append(self.key(shard, f"push:{push_id}"))
+            calls.append((keys, [PUSH_MARKER_TTL_MS, pid.seq]))
         replies = self._run(self._fence, calls) if calls else []
         if any(reply not in (0, 1) for reply in replies):
             raise UnexpectedScriptReply("FENCE_SCRIPT", replies)
@@ -618,13 +659,15 @@ class Buffer:
         return {s: to_str(v) for s, v in enumerate(pipe.execute()) if v is not None}
 
     # -- read path ------------------------------------------------------------
-    def snapshot(self, members: Iterable[str], push_ids: Iterable[str] = ()) -> Snapshot:
+    def snapshot(self, members: Iterable[str], push_ids: Iterable[PushId | str] = ()) -> Snapshot:
         """Pending and in-flight deltas of ``members``, each shard read atomically,
-        with the markers of ``push_ids`` (and of their take-backs) in those shards."""
+        with the high-water marks of the writers of ``push_ids`` (and of their
+        take-backs) in those shards: see :meth:`Snapshot.applied`."""
         groups = self.by_shard(members)
-        markers = [m for p in push_ids for m in (p, f"{p}-undo")]
+        ids = [PushId.of(p) for p in push_ids]
+        names = list(dict.fromkeys(w for p in ids for w in (p.writer, p.undo().writer)))
         calls = [
-            (self._shard_keys(shard) + [self.key(shard, f"push:{m}") for m in markers], group)
+            (self._shard_keys(shard) + [self.writer_key(shard, w) for w in names], group)
             for shard, group in groups.items()
         ]
         replies = self._run(self._read, calls)
@@ -637,8 +680,8 @@ class Buffer:
                 snap.pending[member] = _int(reply[2 + 2 * i])
                 snap.inflight[member] = _int(reply[3 + 2 * i])
             offset = 2 + 2 * len(group)
-            for i, marker in enumerate(markers):
-                snap.markers[(shard, marker)] = to_str(reply[offset + i])
+            for i, name in enumerate(names):
+                snap.hwms[(shard, name)] = _int(reply[offset + i])
         return snap
 
     def generations(self, shards: Iterable[int]) -> dict[int, int]:

@@ -32,6 +32,7 @@ from .exceptions import BufferUnavailable, InconsistentRead
 from .lease import Lease
 from .registry import CounterSpec, get_spec
 from .utils import column, model_field
+from .writers import PushId
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def _reading(
     rows = _read_rows(spec, list(members.values()), set(snap.inflight_ids.values()), using)
     relevant = {p for p, deltas in rows.unsettled.items() if not members.keys().isdisjoint(deltas)}
     if not relevant <= push_ids:
-        push_ids.update(relevant)  # read their push markers in the same snapshot next time
+        push_ids.update(relevant)  # read their writers' marks in the same snapshot next time
         return None
     if buffer.generations(snap.gens) != snap.gens:
         return None
@@ -179,19 +180,20 @@ def _counted_twice(buffer: Buffer, snap: Snapshot, rows: _Rows) -> dict[str, int
     """Deltas both written to the DB directly and delivered late by their push.
 
     A direct write whose push timed out stays unsettled until a flush fences
-    the push. If the push did reach Redis meanwhile (its marker says applied,
-    and no take-back push has run), the same deltas are in a row and in the
-    buffer: they are counted once here, before the flush takes them back.
+    the push. If the push did reach Redis meanwhile (its writer's high-water
+    mark reached it: the writer was retired with it, so it is the writer's
+    last push, and no take-back push has run), the same deltas are in a row
+    and in the buffer: they are counted once here, before the flush takes
+    them back.
     """
     twice: dict[str, int] = {}
     for push_id, deltas in rows.unsettled.items():
+        pid = PushId.of(push_id)
         for member, delta in deltas.items():
             if member not in snap.pending:
                 continue
             shard = buffer.shard_of(member)
-            landed = snap.markers.get((shard, push_id)) == "1"
-            taken_back = snap.markers.get((shard, f"{push_id}-undo")) == "1"
-            if landed and not taken_back:
+            if snap.applied(shard, pid) and not snap.applied(shard, pid.undo()):
                 twice[member] = twice.get(member, 0) + delta
     return twice
 

@@ -18,6 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import metrics
 from .buffer import PUSH_MARKER_TTL_MS, Buffer
 from .exceptions import StalePush
+from .writers import PushId
 from .writes import push_exact, write_direct
 
 logger = logging.getLogger(__name__)
@@ -26,10 +27,12 @@ logger = logging.getLogger(__name__)
 def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int = 500) -> int:
     """Fence the pushes of direct writes that may still arrive; undo any that did.
 
-    Fencing sets the push's marker, so it can never apply from now on; if the
-    marker shows it already did, the same deltas were counted by the direct
-    write too, and a compensating push (idempotent: a derived id) takes them
-    back. Returns the number of compensated writes.
+    The writer of such a push was retired with it, so the push is its last:
+    fencing compares it with the writer's high-water mark in each shard. Below
+    it, the push is marked so that it can never apply; at it, the push did
+    apply, the same deltas were counted by the direct write too, and a
+    compensating push (idempotent: a derived id, :meth:`PushId.undo`) takes
+    them back. Returns the number of compensated writes.
     """
     from .models import FALLBACK_PREFIX, FlushBatch
 
@@ -43,7 +46,7 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
         landed = buffer.fence(deltas, push_id)
         if landed:
             undo = {m: -d for m, d in deltas.items() if buffer.shard_of(m) in landed}
-            if not take_back(buffer, undo, f"{push_id}-undo", using):
+            if not take_back(buffer, undo, PushId.of(push_id).undo(), using):
                 continue  # the DB refused the take-back: the next flush tries again
             compensated += 1
             logger.warning(
@@ -64,7 +67,7 @@ def settle_fallbacks(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int =
     return compensated
 
 
-def take_back(buffer: Buffer, undo: dict[str, int], undo_id: str, using: str) -> bool:
+def take_back(buffer: Buffer, undo: dict[str, int], undo_id: PushId | str, using: str) -> bool:
     """Push ``undo`` once (id ``undo_id``); what Redis does not take goes to the DB directly.
 
     Redis refuses a member whose pending sum would reach 2**53, and every
@@ -77,6 +80,7 @@ def take_back(buffer: Buffer, undo: dict[str, int], undo_id: str, using: str) ->
     """
     from .models import FALLBACK_PREFIX, FlushBatch
 
+    undo_id = PushId.of(undo_id)
     batch_id = f"{FALLBACK_PREFIX}{undo_id}"
     ledger = FlushBatch.objects.using(using)
     if ledger.filter(pk=batch_id).exists():

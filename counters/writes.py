@@ -18,12 +18,13 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections, transaction
 from redis import RedisError
 
-from . import metrics, transactions
+from . import metrics, transactions, writers
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import NotConnected, ScoreLimitExceeded, StalePush
 from .registry import get_spec
 from .utils import capped
+from .writers import PushId
 
 logger = logging.getLogger(__name__)
 
@@ -67,41 +68,62 @@ def may_have_left(exc: BaseException) -> bool:
     return not isinstance(exc, NotConnected)
 
 
-def send(deltas: Mapping[str, int], using: str) -> None:
+def send(deltas: Mapping[str, int], using: str, *, push_id: PushId | None = None) -> None:
     """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
 
     Deltas that a Redis score cannot sum exactly (2**53 and beyond) are
     applied to the DB directly as well. Never raises: it runs after COMMIT,
     where the request has already succeeded.
+
+    The push uses ``push_id`` when given (allocated before COMMIT with
+    :func:`counters.writers.allocate`), else a fresh id of this process's
+    writers. Either way it ends the id: :func:`counters.writers.release` if the
+    push resolved, :func:`counters.writers.retire` if it may have left without
+    an answer. A caller that ends the id again afterwards changes nothing.
     """
-    push_id = uuid.uuid4().hex
-    buffer = get_buffer(using)
+    pid = writers.allocate() if push_id is None else push_id
+    resolved = False
+    try:
+        resolved = _send(deltas, using, pid)
+    finally:
+        writers.finish(pid, resolved)
+
+
+def _send(deltas: Mapping[str, int], using: str, push_id: PushId) -> bool:
+    """:func:`send`; True if the push resolved (its writer may push again)."""
     rest = {member: delta for member, delta in deltas.items() if delta}
     direct: dict[str, int] = {}
     maybe_sent = pushed = False
-    for attempt in (1, 2):
-        try:
-            push_exact(buffer, rest, direct, push_id)
-            pushed = True
-            break
-        except (RedisError, StalePush) as exc:
-            # The push is idempotent per push_id, so one repeat is safe even if
-            # the first attempt ran and only its reply was lost. A failure after
-            # the command left (a timeout, a reset) may still deliver it later:
-            # the direct write then stays unsettled until a flush fences it.
-            maybe_sent = maybe_sent or may_have_left(exc)
-            if attempt == 2:
-                logger.warning(
-                    "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
-                )
+    if rest:
+        buffer = get_buffer(using)
+        for attempt in (1, 2):
+            try:
+                push_exact(buffer, rest, direct, push_id)
+                pushed = True
+                break
+            except (RedisError, StalePush) as exc:
+                # The push is idempotent per push id, so one repeat is safe even if
+                # the first attempt ran and only its reply was lost. A failure after
+                # the command left (a timeout, a reset) may still deliver it later:
+                # the direct write then stays unsettled until a flush fences it.
+                maybe_sent = maybe_sent or may_have_left(exc)
+                if attempt == 2:
+                    logger.warning(
+                        "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
+                    )
     if direct:
         # These never entered Redis: nothing to fence, a settled write.
         write_direct(direct, using)
     if not pushed and rest:
         write_direct(rest, using, push_id=push_id, unsettled=maybe_sent)
+    # A push that may have left without an answer (even one a repeat completed)
+    # ends its writer: a late delivery is then always the writer's last number.
+    return not maybe_sent
 
 
-def push_exact(buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: str) -> None:
+def push_exact(
+    buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: PushId | str
+) -> None:
     """Push ``rest``, moving the members Redis refuses as too large from ``rest`` to ``direct``.
 
     A refused shard added nothing, so pushing the remainder again with the
@@ -126,7 +148,7 @@ def write_direct(
     deltas: Mapping[str, int],
     using: str,
     *,
-    push_id: str | None = None,
+    push_id: PushId | str | None = None,
     unsettled: bool = False,
     attempts: int = 3,
 ) -> None:

@@ -37,6 +37,12 @@ FIGURES = [
     ("reads", "count_get_count"),
     ("memory", "small", "peak_mb"),
     ("memory", "large", "peak_mb"),
+    *[
+        ("idempotency", "runs", n, scheme, figure)
+        for n in ("2000", "6000")
+        for scheme in ("old", "new")
+        for figure in ("idempotency_keys", "idempotency_bytes", "pushes_per_s")
+    ],
 ]
 
 
@@ -107,9 +113,11 @@ def test_bench_leaves_no_data_behind(quick_run):
         pytest.param(("--rounds", "-2"), "--rounds must be at least 1, got -2", id="rounds"),
         pytest.param(
             ("--sections", "writes,nope"),
-            "--sections takes names from writes,flush,parallel,reads,memory, got 'writes,nope'",
+            "--sections takes names from writes,flush,parallel,reads,memory,idempotency, "
+            "got 'writes,nope'",
             id="sections",
         ),
+        pytest.param(("--pushes", "0"), "--pushes must be at least 1, got 0", id="pushes"),
         pytest.param(
             ("--flush-workers", "1,0"),
             "--flush-workers takes comma-separated numbers of at least 1, got '1,0'",
@@ -156,3 +164,51 @@ def test_unreachable_redis_exits_non_zero_with_one_line():
     assert len(lines) == 1, err
     assert lines[0].startswith("CommandError: Redis unreachable at redis://127.0.0.1:1/0")
     assert out == ""
+
+
+@pytest.fixture(scope="module")
+def idempotency_run(django_db_setup, django_db_blocker) -> dict:
+    """The JSON of a quick run of the idempotency section alone, 1,500 pushes."""
+    with django_db_blocker.unblock():
+        env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONUNBUFFERED": "1"}
+        code, out, err = run_manage(
+            "counters_bench",
+            "--quick",
+            "--json",
+            "--sections",
+            "idempotency",
+            "--pushes",
+            "1500",
+            env=env,
+            timeout=280,
+        )
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.redis
+def test_idempotency_section_old_markers_grow_and_new_marks_stay_flat(idempotency_run):
+    """Per-push markers against writer marks, side by side on prefixes of their own."""
+    data = idempotency_run
+    idem = data["idempotency"]
+    shards, threads = idem["shards"], idem["threads"]
+    assert (idem["pushes"], threads, shards) == (1500, 4, conf.shards())
+    runs = idem["runs"]
+    assert sorted(runs) == ["1500", "4500"]
+    for size, by_scheme in runs.items():
+        old, new = by_scheme["old"], by_scheme["new"]
+        # One delta a push: the old scheme leaves one marker per push.
+        assert old["idempotency_keys"] == old["pushes"] == new["pushes"] == int(size)
+        assert old["idempotency_bytes"] >= 50 * int(size)
+        # The new one a mark per writer and shard: at most shards x threads, however many.
+        assert 1 <= new["writers"] <= threads
+        assert 1 <= new["idempotency_keys"] <= shards * new["writers"]
+        assert new["idempotency_bytes"] < old["idempotency_bytes"] / 10
+        assert isinstance(old["used_memory_freed"], int)
+        assert isinstance(new["used_memory_freed"], int)
+        # Both counted every push.
+        assert old["pending_members"] == new["pending_members"] == idem["members"]
+    assert idem["new_flat"] is True
+    assert idem["old_growth"] == 3.0
+    assert runs["4500"]["new"]["idempotency_keys"] <= shards * threads
+    assert not list(counters.get_client().scan_iter(match=f"{data['key_prefix']}:*"))

@@ -114,3 +114,92 @@ def test_late_push_over_a_direct_write_is_counted_once(make_user, monkeypatch):
     assert UnreadCounter.objects.get_counts([alice, bob]) == {alice.pk: 1, bob.pk: 2}
     assert (truth(alice), truth(bob)) == (1, 2)
     assert_exact(alice, bob)  # the flush fences the push and takes it back
+
+
+def _stall_next_push(monkeypatch) -> list[tuple[dict, object]]:
+    """Fault: Redis stalls, so both attempts of the next pushes time out unanswered."""
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    from counters.buffer import Buffer
+
+    stalled: list[tuple[dict, object]] = []
+
+    def stalled_push(self, deltas, push_id):
+        stalled.append((dict(deltas), push_id))
+        raise RedisTimeout("Timeout reading from socket")
+
+    monkeypatch.setattr(Buffer, "push", stalled_push)
+    return stalled
+
+
+def test_late_push_after_the_flush_fenced_it_is_refused(make_user, monkeypatch):
+    from counters import writers
+    from counters.buffer import Buffer
+    from counters.models import FALLBACK_PREFIX, FlushBatch
+    from counters.writers import PushId
+
+    alice, bob = make_user(), make_user()
+    Notification.objects.create(recipient=alice, verb="v")
+    original = Buffer.push
+    stalled = _stall_next_push(monkeypatch)
+    with transaction.atomic():
+        Notification.objects.create(recipient=alice, verb="w")
+        Notification.objects.create(recipient=bob, verb="w")
+    monkeypatch.setattr(Buffer, "push", original)
+    deltas, push_id = stalled[-1]
+    assert isinstance(push_id, PushId) and stalled[0][1] == push_id  # the repeat: same id
+    row = FlushBatch.objects.get(pk=f"{FALLBACK_PREFIX}{push_id}")
+    assert row.unsettled == deltas
+    # The writer was retired with its push: the pool never hands it out again.
+    assert all(writers.allocate().writer != push_id.writer for _ in range(3))
+    counters.flush()  # fences the push: it had not landed
+    buffer = api.get_buffer()
+    assert original(buffer, deltas, push_id) == set()  # the late delivery is refused
+    assert not FlushBatch.objects.filter(unsettled__isnull=False).exists()
+    assert UnreadCounter.objects.get_counts([alice, bob]) == {alice.pk: 2, bob.pk: 1}
+    assert (truth(alice), truth(bob)) == (2, 1)
+    assert_exact(alice, bob)
+
+
+def test_late_push_then_a_repeated_settle_takes_it_back_once(make_user, monkeypatch):
+    from counters import settle
+    from counters.buffer import Buffer
+    from counters.models import FALLBACK_PREFIX, FlushBatch
+
+    alice = make_user()
+    original = Buffer.push
+    stalled = _stall_next_push(monkeypatch)
+    Notification.objects.create(recipient=alice, verb="v")
+    monkeypatch.setattr(Buffer, "push", original)
+    deltas, push_id = stalled[-1]
+    buffer = api.get_buffer()
+    assert original(buffer, deltas, push_id)  # the late delivery lands
+    assert original(buffer, deltas, push_id) == set()  # and its repeat adds nothing
+    assert counters.get_value("unread", alice.pk) == 1  # counted once before settling
+    assert settle.settle_fallbacks(buffer) == 1
+    # A flush that died before clearing the row settles it again: nothing taken twice.
+    FlushBatch.objects.filter(pk=f"{FALLBACK_PREFIX}{push_id}").update(unsettled=deltas)
+    assert settle.settle_fallbacks(buffer) == 1
+    assert counters.get_value("unread", alice.pk) == 1
+    counters.flush()
+    assert stored(alice) == truth(alice) == 1
+    assert_exact(alice)
+
+
+def test_writer_marks_grow_with_writers_not_with_pushes(make_user, settings):
+    from counters import writers
+
+    users = [make_user() for _ in range(5)]
+    buffer = api.get_buffer()
+    for i in range(60):
+        Notification.objects.create(recipient=users[i % 5], verb="v")
+    idle, busy = writers.pool_size()
+    keys = [
+        k
+        for shard in range(buffer.shards)
+        for k in buffer.client.scan_iter(match=buffer.key(shard, "w:*"))
+    ]
+    assert 1 <= len(keys) <= buffer.shards * (idle + busy)
+    assert not list(buffer.client.scan_iter(match=f"{buffer.prefix}:*push:*"))
+    counters.flush()
+    assert [stored(u) for u in users] == [truth(u) for u in users] == [12] * 5

@@ -11,12 +11,13 @@ from django.db import OperationalError
 import counters
 from counters import api, settle
 from counters.models import FALLBACK_PREFIX, FlushBatch
+from counters.writers import PushId
 from notifications.apps import UNREAD_COUNTER
 from tests.helpers import stored
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
-PUSH_ID = "late-push"
+PUSH_ID = PushId("late-push", 7)
 
 
 def exact(user) -> int:
@@ -43,7 +44,7 @@ def test_a_take_back_beyond_exact_scores_is_written_to_the_db(make_user):
     assert (stored(alice), exact(alice)) == (5, truth)  # the read counts the late push once
 
     assert api.settle_fallbacks(buffer) == 1
-    undo = FlushBatch.objects.get(pk=f"{FALLBACK_PREFIX}{PUSH_ID}-undo")
+    undo = FlushBatch.objects.get(pk=f"{FALLBACK_PREFIX}{PUSH_ID.undo()}")
     assert (undo.kind, undo.unsettled, undo.keys, undo.deltas) == (
         FlushBatch.Kind.FALLBACK,
         None,
@@ -57,7 +58,7 @@ def test_a_take_back_beyond_exact_scores_is_written_to_the_db(make_user):
     assert exact(alice) == truth
 
     # Settling again (a flush that died before clearing the row would) takes nothing twice.
-    assert settle.take_back(buffer, {member: -5}, f"{PUSH_ID}-undo", "default") is True
+    assert settle.take_back(buffer, {member: -5}, PUSH_ID.undo(), "default") is True
     assert api.settle_fallbacks(buffer) == 0
     counters.flush()
     assert stored(alice) == exact(alice) == truth
@@ -70,7 +71,7 @@ def test_a_take_back_refused_by_a_full_redis_is_written_to_the_db(own_redis, mak
     own_redis.fill()
     result = counters.flush()
     assert result.compensated == 1
-    assert FlushBatch.objects.filter(pk=f"{FALLBACK_PREFIX}{PUSH_ID}-undo").exists()
+    assert FlushBatch.objects.filter(pk=f"{FALLBACK_PREFIX}{PUSH_ID.undo()}").exists()
     assert (stored(alice), stored(bob)) == (4, 2)
     assert (exact(alice), exact(bob)) == (4, 2)
     assert not FlushBatch.objects.filter(unsettled__isnull=False).exists()
@@ -86,6 +87,6 @@ def test_a_take_back_whose_db_write_failed_is_made_once_later(own_redis, make_us
     assert FlushBatch.objects.filter(unsettled__isnull=False).count() == 1
     own_redis.limit_memory(0)  # room again; the take-back push id is fenced by now
     assert api.settle_fallbacks(buffer) == 1
-    assert FlushBatch.objects.filter(pk=f"{FALLBACK_PREFIX}{PUSH_ID}-undo").exists()
+    assert FlushBatch.objects.filter(pk=f"{FALLBACK_PREFIX}{PUSH_ID.undo()}").exists()
     counters.flush()
     assert stored(alice) == exact(alice) == 4

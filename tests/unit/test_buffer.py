@@ -11,7 +11,7 @@ from counters.buffer import PUSH_MARKER_TTL_MS, Buffer, shard_of
 
 PREFIX = "t"
 # With 4 shards: c:1, c:3 and c:8 live in shard 0, c:5 in shard 1, c:2 in shard 2, c:4 in shard 3.
-KEY_RE = re.compile(r"^t:\{s(\d+)\}:(pending|inflight|batch|gen|since|seq|epoch|lease|push:.+)$")
+KEY_RE = re.compile(r"^t:\{s(\d+)\}:(pending|inflight|batch|gen|since|seq|epoch|lease|w:.+)$")
 
 
 @pytest.fixture
@@ -74,21 +74,21 @@ def test_every_key_of_a_shard_shares_its_hash_tag(buf, client):
         "t:{s0}:batch",
         "t:{s0}:gen",
         "t:{s0}:inflight",
-        "t:{s0}:push:p1",
-        "t:{s0}:push:p2",
         "t:{s0}:seq",
+        "t:{s0}:w:p1",
+        "t:{s0}:w:p2",
         "t:{s1}:gen",
-        "t:{s1}:push:p1",
         "t:{s1}:seq",
+        "t:{s1}:w:p1",
         "t:{s2}:gen",
         "t:{s2}:pending",
-        "t:{s2}:push:p1",
-        "t:{s2}:push:p2",
         "t:{s2}:seq",
         "t:{s2}:since",
+        "t:{s2}:w:p1",
+        "t:{s2}:w:p2",
         "t:{s3}:gen",
-        "t:{s3}:push:p1",
         "t:{s3}:seq",
+        "t:{s3}:w:p1",
     ]
     assert all(KEY_RE.match(k) for k in keys)
 
@@ -155,13 +155,14 @@ def test_push_with_different_ids_adds_twice(buf, client):
     assert pending(client, 2) == {"c:2": 6}
 
 
-def test_push_marker_is_per_shard_and_expires(buf, client):
+def test_writer_mark_is_per_shard_and_expires(buf, client):
     buf.push({"c:1": 1}, "p1")
-    # The same id on another shard is a different marker: shard 2 was not pushed yet.
+    # The same id on another shard is a different mark: shard 2 was not pushed yet.
     buf.push({"c:1": 1, "c:2": 1}, "p1")
     assert pending(client, 0) == {"c:1": 1}
     assert pending(client, 2) == {"c:2": 1}
-    ttl = client.pttl("t:{s0}:push:p1")
+    assert client.hgetall("t:{s0}:w:p1") == {b"seq": b"1"}
+    ttl = client.pttl("t:{s0}:w:p1")
     assert 0 < ttl <= PUSH_MARKER_TTL_MS
 
 

@@ -51,7 +51,7 @@ def test_a_shard_where_a_sum_would_reach_the_limit_adds_nothing(buf, client, sig
         set(),
     )
     assert pending(client, 0) == {"c:1": sign * NEAR}  # c:3 not added either
-    assert not client.exists("t:{s0}:push:p2")  # no marker: the remainder can still apply
+    assert not client.exists("t:{s0}:w:p2")  # no mark: the remainder can still apply
 
 
 def test_the_remainder_pushed_again_with_the_same_id_applies_once(buf, client):
@@ -87,7 +87,7 @@ def test_every_member_over_the_limit_is_named(buf, client):
 
 def test_a_push_fenced_or_already_applied_is_not_checked_again(buf, client):
     buf.push({"c:1": NEAR}, "p1")
-    client.set("t:{s0}:push:p2", "fenced")
+    assert buf.fence(["c:1"], "p2") == set()
     assert buf.push({"c:1": 10}, "p2") == set()
     assert pending(client, 0) == {"c:1": NEAR}
 

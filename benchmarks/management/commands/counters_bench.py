@@ -22,7 +22,7 @@ class Command(BaseCommand):
     help = (
         "Benchmark notification writes with no counter, a naive counter and Tally; "
         "the flush against raw SQL; the flush with 1, 2 and 4 flushers; get_count against "
-        "COUNT(*); the flusher's memory."
+        "COUNT(*); the flusher's memory; the Redis memory of idempotency, old scheme against new."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -36,6 +36,13 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--rounds", type=int, default=None, help="Interleaved rounds of the writes."
+        )
+        parser.add_argument(
+            "--pushes",
+            type=int,
+            default=None,
+            help="Pushes of the idempotency section per scheme, then three times as many "
+            "(default 100000).",
         )
         parser.add_argument(
             "--flush-workers",
@@ -70,6 +77,10 @@ class Command(BaseCommand):
                 bound = "greater than 0" if name == "seconds" else f"at least {minimum}"
                 raise CommandError(f"--{name} must be {bound}, got {value}")
             overrides[name] = value
+        if options["pushes"] is not None:
+            if options["pushes"] < 1:
+                raise CommandError(f"--pushes must be at least 1, got {options['pushes']}")
+            overrides["idem_pushes"] = options["pushes"]
         if options["flush_workers"] is not None:
             overrides["parallel_workers"] = self._workers(options["flush_workers"])
         if options["quick"]:
