@@ -67,14 +67,28 @@ def may_have_left(exc: BaseException) -> bool:
     return not isinstance(exc, NotConnected)
 
 
-def send(deltas: Mapping[str, int], using: str) -> None:
+def new_push_id() -> str:
+    """A new push id: the idempotency key of one push (opaque text, at most 55 characters)."""
+    return uuid.uuid4().hex
+
+
+def send(
+    deltas: Mapping[str, int],
+    using: str,
+    *,
+    push_id: str | None = None,
+    outbox: bool = False,
+) -> None:
     """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
 
     Deltas that a Redis score cannot sum exactly (2**53 and beyond) are
     applied to the DB directly as well. Never raises: it runs after COMMIT,
-    where the request has already succeeded.
+    where the request has already succeeded. ``push_id`` is the id to push
+    under (default: a new one). ``outbox``: the deltas are held in the outbox
+    row ``push_id`` (durable mode), deleted once they are counted: after the
+    push, or in the transaction of the direct write.
     """
-    push_id = uuid.uuid4().hex
+    push_id = push_id or new_push_id()
     buffer = get_buffer(using)
     rest = {member: delta for member, delta in deltas.items() if delta}
     direct: dict[str, int] = {}
@@ -94,11 +108,47 @@ def send(deltas: Mapping[str, int], using: str) -> None:
                 logger.warning(
                     "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
                 )
+    if outbox:
+        send_outbox(rest, direct, using, push_id, pushed=pushed, maybe_sent=maybe_sent)
+        return
     if direct:
         # These never entered Redis: nothing to fence, a settled write.
         write_direct(direct, using)
     if not pushed and rest:
         write_direct(rest, using, push_id=push_id, unsettled=maybe_sent)
+
+
+def send_outbox(
+    rest: dict[str, int],
+    direct: dict[str, int],
+    using: str,
+    push_id: str,
+    *,
+    pushed: bool,
+    maybe_sent: bool,
+) -> None:
+    """The end of :func:`send` for deltas held in outbox row ``push_id``: delete the row.
+
+    Once pushed, the row goes (one DELETE); the members Redis refused are
+    written directly in the same transaction as the DELETE. Not pushed, all
+    of it is one direct write that deletes the row. If the row is gone, a
+    flush took it (pushed it itself): the direct write is skipped.
+    """
+    from . import outbox as outbox_rows
+
+    if pushed and not direct:
+        try:
+            outbox_rows.delete(push_id, using)
+        except Exception:  # the next flush pushes it again, under the same id: counted once
+            logger.exception("could not delete outbox row %s", push_id)
+        return
+    if pushed:
+        write_direct(direct, using, outbox=push_id)
+    else:
+        # The refused members (never in Redis) ride along: a fence finds no marker for them.
+        write_direct(
+            {**rest, **direct}, using, push_id=push_id, unsettled=maybe_sent, outbox=push_id
+        )
 
 
 def push_exact(buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: str) -> None:
@@ -129,12 +179,15 @@ def write_direct(
     push_id: str | None = None,
     unsettled: bool = False,
     attempts: int = 3,
+    outbox: str | None = None,
 ) -> None:
     """Apply deltas to the DB now, recorded in the ledger as a fallback batch.
 
     Deltas whose counted row is gone are dropped (and counted), the others
     applied: a row deleted while the transaction ran fails it at COMMIT, and
-    the next attempt no longer finds that row.
+    the next attempt no longer finds that row. ``outbox``: the outbox row
+    holding these deltas (durable mode), deleted in the same transaction; if
+    it is already gone (a flush pushed it), nothing is written.
     """
     global fallback_count
     from .apply import apply_deltas
@@ -149,17 +202,22 @@ def write_direct(
     for attempt in range(1, attempts + 1):
         try:
             with transaction.atomic(using=using):
-                applied = apply_deltas(deltas, using)
-                ledger.create(
-                    batch_id=batch_id,
-                    kind=FlushBatch.Kind.FALLBACK,
-                    keys=applied.keys,
-                    deltas=applied.deltas,
-                    dropped=applied.dropped,
-                    unsettled=dict(deltas) if unsettled else None,
-                )
+                # Gone: a flush took the row and counted the deltas through Redis.
+                mine = outbox is None or _claim_outbox(outbox, using)
+                if mine:
+                    applied = apply_deltas(deltas, using)
+                    ledger.create(
+                        batch_id=batch_id,
+                        kind=FlushBatch.Kind.FALLBACK,
+                        keys=applied.keys,
+                        deltas=applied.deltas,
+                        dropped=applied.dropped,
+                        unsettled=dict(deltas) if unsettled else None,
+                    )
             if manual:
                 conn.commit()
+            if not mine:
+                return
             fallback_count += 1
             metrics.fallback_written(using, applied.keys)
             return
@@ -181,3 +239,9 @@ def write_direct(
                 conn.rollback()
             logger.exception("could not write %s deltas to the DB: %r", len(deltas), capped(deltas))
             return
+
+
+def _claim_outbox(push_id: str, using: str) -> bool:
+    from .outbox import delete
+
+    return delete(push_id, using)
