@@ -46,7 +46,7 @@ def past_grace() -> None:
 
 
 class DeadWriter:
-    """Within it, ``send`` does nothing: a writer "dies" right after its COMMIT (in this process)."""
+    """Within it, ``send`` does nothing: a writer "dies" right after its COMMIT (in-process)."""
 
     def __init__(self) -> None:
         self.patch = pytest.MonkeyPatch()
