@@ -138,7 +138,7 @@ def send_outbox(
 
     if pushed and not direct:
         try:
-            outbox_rows.delete(push_id, using)
+            outbox_rows.forget(push_id, using)
         except Exception:  # the next flush pushes it again, under the same id: counted once
             logger.exception("could not delete outbox row %s", push_id)
         return
