@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -179,6 +179,59 @@ def stats(using: str = DEFAULT_DB_ALIAS, now: datetime | None = None) -> tuple[i
     return int(agg["rows"]), max(0.0, age)
 
 
+#: Outcomes of :func:`push_row`.
+GONE, PUSHED, DIRECT, REPAIR = "gone", "pushed", "direct", "repair"
+
+
+def push_row(buffer: Buffer, using: str, push_id: str, age: Callable[[], timedelta]) -> str:
+    """Claim outbox row ``push_id`` and push it under its id, in one DB transaction.
+
+    Returns ``GONE`` (another process took it), ``PUSHED``, ``DIRECT`` (pushed,
+    and the members Redis cannot sum exactly written to the DB) or ``REPAIR``
+    (too old to push safely, ``age()`` past :data:`OUTBOX_SAFE_AGE`, or
+    refused as stale: its members are queued for repair from the truth).
+    Raises ``RedisError`` when Redis fails: the transaction rolls back and
+    the row stays.
+
+    A push made here carries the time of this call: Redis's 30 s limit on a
+    push's age is about late network deliveries of an old push, and the push
+    id's marker (180 s) is what keeps this push from counting what the
+    writer's own push, if it landed, already counted.
+    """
+    from . import repair
+    from .writes import push_exact, write_direct
+
+    with transaction.atomic(using=using):
+        deltas = claim(push_id, using)
+        if deltas is None:
+            return GONE  # its writer deleted it meanwhile (pushed, or wrote it directly)
+        seconds = age().total_seconds()
+        reason, direct = "", dict[str, int]()
+        if seconds > OUTBOX_SAFE_AGE:
+            reason = f"{seconds:.0f}s old, beyond the {OUTBOX_SAFE_AGE:.0f}s a push id is safe"
+        else:
+            rest = dict(deltas)
+            try:
+                push_exact(buffer, rest, direct, push_id)
+            except StalePush:
+                reason = "refused by Redis as a stale push"
+        if reason:
+            if deltas:
+                buffer.client.sadd(repair.queue_key(buffer), *sorted(deltas))
+            logger.warning(
+                "outbox row %s (%s deltas) not pushed: %s; its keys are queued for repair "
+                "from the truth",
+                push_id,
+                len(deltas),
+                reason,
+            )
+            return REPAIR
+        if direct:
+            write_direct(direct, using)
+            return DIRECT
+        return PUSHED
+
+
 @dataclass
 class DrainResult:
     pushed: int = 0  # rows pushed by the flush (their writer died or could not push)
@@ -207,9 +260,8 @@ def drain(
     fails: the row being pushed stays (its transaction rolls back) for the
     next flush.
     """
-    from . import metrics, repair
+    from . import metrics
     from .models import Outbox
-    from .writes import push_exact, write_direct
 
     grace = conf.outbox_grace() if grace is None else grace
     result = DrainResult()
@@ -221,37 +273,14 @@ def drain(
         .values_list("push_id", "created_at")[:limit]
     )
     for push_id, created_at in due:
-        with transaction.atomic(using=using):
-            deltas = claim(push_id, using)
-            if deltas is None:
-                continue  # its writer deleted it meanwhile (pushed, or wrote it directly)
-            age = (timezone.now() - created_at).total_seconds()
-            if age > OUTBOX_SAFE_AGE:
-                reason = f"{age:.0f}s old, beyond the {OUTBOX_SAFE_AGE:.0f}s a push id is safe"
-            else:
-                rest, direct = dict(deltas), dict[str, int]()
-                try:
-                    push_exact(buffer, rest, direct, push_id)
-                    reason = ""
-                except StalePush:
-                    reason = "refused by Redis as a stale push"
-                if direct and not reason:
-                    write_direct(direct, using)
-                    result.direct += 1
-            if reason:
-                members = sorted(deltas)
-                if members:
-                    buffer.client.sadd(repair.queue_key(buffer), *members)
-                result.repaired += 1
-                logger.warning(
-                    "outbox row %s (%s deltas) not pushed: %s; its keys are queued for "
-                    "repair from the truth",
-                    push_id,
-                    len(deltas),
-                    reason,
-                )
-            else:
-                result.pushed += 1
+        outcome = push_row(buffer, using, push_id, _age_since(created_at))
+        if outcome == PUSHED:
+            result.pushed += 1
+        elif outcome == REPAIR:
+            result.repaired += 1
+        elif outcome == DIRECT:
+            result.pushed += 1
+            result.direct += 1
     if result.pushed or result.repaired:
         logger.info("%s (database %r)", result.summary(), using)
     metrics.outbox_drained(using, result.pushed, result.repaired)
@@ -262,3 +291,24 @@ def summary(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
     """What ``counters_status`` shows of the outbox of ``using``."""
     rows, age = stats(using)
     return {"rows": rows, "oldest_age": round(age, 3), "durable": conf.durable()}
+
+
+def _age_since(created_at: datetime) -> Callable[[], timedelta]:
+    return lambda: timezone.now() - created_at
+
+
+def push_late(push_id: str, using: str, seconds: float) -> None:
+    """A writer's push ``seconds`` after its outbox row, past ``COUNTERS_OUTBOX_GRACE``.
+
+    A flush may have pushed the row already, long enough ago for Redis to
+    forget the push id: the writer claims its row first, like a flush, and
+    pushes only if it is still there. Never raises (it runs after COMMIT): a
+    row it could not push stays for the flush.
+    """
+    from .client import get_buffer
+
+    started = timezone.now() - timedelta(seconds=seconds)
+    try:
+        push_row(get_buffer(using), using, push_id, _age_since(started))
+    except Exception as exc:
+        logger.warning("outbox row %s left for the flush to push: %s", push_id, exc)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -119,12 +120,24 @@ def _state(conn: BaseDatabaseWrapper) -> _Transaction:
     return state
 
 
-def _deliver(conn: BaseDatabaseWrapper, state: _Transaction, push_id: str | None = None) -> None:
+def _deliver(
+    conn: BaseDatabaseWrapper,
+    state: _Transaction,
+    push_id: str | None = None,
+    written_at: float = 0.0,
+) -> None:
     deltas, send = state.take()
     if deltas and send is not None:
         try:
             if push_id is None:
                 send(deltas, conn.alias)
+                return
+            from . import conf, outbox
+
+            late = time.monotonic() - written_at
+            if late > conf.outbox_grace():
+                # The COMMIT took longer than the grace: a flush may have pushed the row.
+                outbox.push_late(push_id, conn.alias, late)
             else:
                 send(deltas, conn.alias, push_id=push_id, outbox=True)
         except Exception:  # the transaction has committed: never fail the caller now
@@ -174,8 +187,9 @@ def install(conn: BaseDatabaseWrapper) -> None:
 
     def counted_commit() -> None:
         push_id = _write_outbox(conn, state)
+        written_at = time.monotonic()
         commit()
-        _deliver(conn, state, push_id)
+        _deliver(conn, state, push_id, written_at)
 
     def counted_rollback() -> None:
         try:

@@ -328,3 +328,34 @@ def test_a_manual_transaction_keeps_its_row_until_the_push(make_user):
     finally:
         transaction.set_autocommit(True)
     assert_exact(alice)
+
+
+def test_a_commit_slower_than_the_grace_claims_its_row_before_pushing(settings, make_user):
+    settings.COUNTERS_OUTBOX_GRACE = 1e-6  # every commit is "late"
+    alice = make_user()
+    with transaction.atomic():
+        Notification.objects.create(recipient=alice, verb="a")
+    Notification.objects.create(recipient=alice, verb="autocommit")  # not late: no transaction
+    assert Outbox.objects.count() == 0
+    assert_exact(alice)
+
+
+def test_a_late_writer_does_not_push_what_a_flush_pushed_long_ago(settings, make_user, monkeypatch):
+    settings.COUNTERS_OUTBOX_GRACE = 1e-6
+    alice = make_user()
+    buffer = get_buffer()
+    real_push_late = outbox.push_late
+    outcomes: list[int] = []
+
+    def flush_first(push_id, using, seconds):
+        # A flush pushes the row meanwhile, and Redis forgets the push id since.
+        outcomes.append(outbox.drain(buffer, using, grace=0).pushed)
+        buffer.client.delete(*buffer.client.keys(f"{buffer.prefix}:*push:{push_id}"))
+        real_push_late(push_id, using, seconds)
+
+    monkeypatch.setattr(outbox, "push_late", flush_first)
+    with transaction.atomic():
+        Notification.objects.create(recipient=alice, verb="a")
+    assert outcomes == [1]
+    assert UnreadCounter.objects.get_count(alice) == truth(alice) == 1  # not 2
+    assert_exact(alice)
