@@ -308,7 +308,15 @@ def push_late(push_id: str, using: str, seconds: float) -> None:
     from .client import get_buffer
 
     started = timezone.now() - timedelta(seconds=seconds)
+    conn = connections[using]
+    # Right after the COMMIT of atomic() or of a manual transaction, autocommit is still
+    # off: atomic() then does not commit by itself, so this is committed here.
+    manual = not conn.in_atomic_block and not conn.get_autocommit()
     try:
         push_row(get_buffer(using), using, push_id, _age_since(started))
+        if manual:
+            conn.commit()
     except Exception as exc:
+        if manual:
+            conn.rollback()
         logger.warning("outbox row %s left for the flush to push: %s", push_id, exc)

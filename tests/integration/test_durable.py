@@ -330,12 +330,29 @@ def test_a_manual_transaction_keeps_its_row_until_the_push(make_user):
     assert_exact(alice)
 
 
-def test_a_commit_slower_than_the_grace_claims_its_row_before_pushing(settings, make_user):
+def test_a_commit_slower_than_the_grace_claims_its_row_before_pushing(
+    settings, make_user, monkeypatch
+):
     settings.COUNTERS_OUTBOX_GRACE = 1e-6  # every commit is "late"
     alice = make_user()
+    late: list[str] = []
+    real_push_late = outbox.push_late
+
+    def spy(push_id, using, seconds):
+        late.append(push_id)
+        real_push_late(push_id, using, seconds)
+
+    monkeypatch.setattr(outbox, "push_late", spy)
     with transaction.atomic():
         Notification.objects.create(recipient=alice, verb="a")
+    transaction.set_autocommit(False)
+    try:
+        Notification.objects.create(recipient=alice, verb="manual")
+        transaction.commit()
+    finally:
+        transaction.set_autocommit(True)
     Notification.objects.create(recipient=alice, verb="autocommit")  # not late: no transaction
+    assert len(late) == 2
     assert Outbox.objects.count() == 0
     assert_exact(alice)
 
