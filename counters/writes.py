@@ -130,9 +130,9 @@ def send_outbox(
     """The end of :func:`send` for deltas held in outbox row ``push_id``: delete the row.
 
     Once pushed, the row goes (one DELETE); the members Redis refused are
-    written directly in the same transaction as the DELETE. Not pushed, all
-    of it is one direct write that deletes the row. If the row is gone, a
-    flush took it (pushed it itself): the direct write is skipped.
+    written directly in the same transaction as the DELETE. Not pushed, the
+    direct write of the rest deletes the row. If the row is gone, a flush
+    took it (pushed it itself): that direct write is skipped.
     """
     from . import outbox as outbox_rows
 
@@ -144,11 +144,13 @@ def send_outbox(
         return
     if pushed:
         write_direct(direct, using, outbox=push_id)
-    else:
-        # The refused members (never in Redis) ride along: a fence finds no marker for them.
-        write_direct(
-            {**rest, **direct}, using, push_id=push_id, unsettled=maybe_sent, outbox=push_id
-        )
+        return
+    if direct:
+        # Never in Redis, so never fenced: kept apart from the unsettled write below,
+        # whose fence could find this push id applied in their shard by a later attempt.
+        # (A process killed between the two writes has them pushed again by the flush.)
+        write_direct(direct, using)
+    write_direct(rest, using, push_id=push_id, unsettled=maybe_sent, outbox=push_id)
 
 
 def push_exact(buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: str) -> None:

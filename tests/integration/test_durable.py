@@ -376,3 +376,31 @@ def test_a_late_writer_does_not_push_what_a_flush_pushed_long_ago(settings, make
     assert outcomes == [1]
     assert UnreadCounter.objects.get_count(alice) == truth(alice) == 1  # not 2
     assert_exact(alice)
+
+
+def exact_value(key) -> int:
+    return sum(counters.get_parts("unread", [key])[key])
+
+
+@pytest.mark.parametrize("redis_up", [True, False], ids=["redis-up", "redis-down"])
+def test_a_delta_beyond_exact_scores_is_written_directly_once(settings, make_user, redis_up):
+    alice, bob = make_user(), make_user()
+    if not redis_up:
+        settings.COUNTERS_REDIS_URL = "redis://127.0.0.1:1/0"
+        settings.COUNTERS_SOCKET_TIMEOUT = 0.2
+    with transaction.atomic():
+        counters.add("unread", alice.pk, 2**60)
+        counters.add("unread", bob.pk, 5)
+    assert Outbox.objects.count() == 0
+    fallbacks = FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK)
+    # Up: the huge delta alone goes to the DB. Down: one direct write of both, row deleted.
+    assert list(fallbacks.values_list("keys", flat=True)) == [1 if redis_up else 2]
+    if not redis_up:  # everything is in the rows already
+        assert (stored(alice), stored(bob)) == (2**60, 5)
+        return
+    assert exact_value(alice.pk) == 2**60
+    assert exact_value(bob.pk) == 5
+    past_grace()
+    counters.flush()
+    assert UnreadCounter.objects.get(user=alice).count == 2**60
+    assert UnreadCounter.objects.get(user=bob).count == 5
