@@ -122,14 +122,16 @@ def render(results: dict) -> str:
             "",
             f"writes: ops/s, {cfg['processes']} writer processes, median of {cfg['rounds']} "
             f"interleaved rounds of {cfg['seconds']}s   (load {_load(w['load'])})",
-            f"{'workload':<10}{'off':>10}{'naive':>10}{'tally':>10}"
-            f"{'tally/off':>11}{'tally/naive':>13}",
+            f"{'workload':<10}{'off':>10}{'naive':>10}{'tally':>10}{'durable':>10}"
+            f"{'tally/off':>11}{'tally/naive':>13}{'durable/off':>13}{'durable/tally':>15}",
         ]
         for name in ("spread", "hot"):
             r = w[name]
             lines.append(
                 f"{name:<10}{r['off_ops_per_s']:>10.0f}{r['naive_ops_per_s']:>10.0f}"
-                f"{r['tally_ops_per_s']:>10.0f}{r['tally_off']:>11.2f}{r['tally_naive']:>13.2f}"
+                f"{r['tally_ops_per_s']:>10.0f}{r['durable_ops_per_s']:>10.0f}"
+                f"{r['tally_off']:>11.2f}{r['tally_naive']:>13.2f}"
+                f"{r['durable_off']:>13.2f}{r['durable_tally']:>15.2f}"
             )
     if "flush" in results:
         f = results["flush"]

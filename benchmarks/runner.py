@@ -42,14 +42,20 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
         config.processes, context, users[: config.spread_users], users[0], timeout=60
     )
     try:
-        progress("writes: measuring off / naive / tally, spread and hot, interleaved")
+        progress("writes: measuring off / naive / tally / durable, spread and hot, interleaved")
         result = writers.measure(pool, config.rounds, config.seconds, config.warmup)
     finally:
         pool.close()
+    from counters.models import Outbox
+
     pending = pending_total(buffer)
+    counted = pool.ops["tally"] + pool.ops["durable"]
     result["tally_ops"] = pool.ops["tally"]
+    result["durable_ops"] = pool.ops["durable"]
     result["tally_pending_deltas"] = pending
-    result["tally_deltas_match"] = pending == pool.ops["tally"]
+    # Every counted insert (tally and durable) is in Redis, once; no outbox row is left.
+    result["outbox_rows_left"] = Outbox.objects.count()
+    result["tally_deltas_match"] = pending == counted and result["outbox_rows_left"] == 0
     return result
 
 

@@ -1,4 +1,4 @@
-"""Writer processes: notification inserts under three counter strategies, timed in parallel.
+"""Writer processes: notification inserts under four counter strategies, timed in parallel.
 
 Modes:
 
@@ -6,7 +6,9 @@ Modes:
 - ``naive``: the same insert plus ``UPDATE ... SET count = count + 1`` of the
   recipient's counter row in the same transaction;
 - ``tally``: ``Notification.objects.create()``, the real counted path (the
-  delta goes to Redis after COMMIT).
+  delta goes to Redis after COMMIT), with ``COUNTERS_DURABLE`` off;
+- ``durable``: the same with ``COUNTERS_DURABLE`` on: one outbox row INSERTed
+  before the COMMIT, DELETEd after the push.
 
 Each writer is a spawned process with its own database connection and Redis
 client, set up once and then driven over a pipe: every run starts at the same
@@ -27,7 +29,9 @@ from multiprocessing.connection import Connection
 from .child import ChildContext
 from .errors import BenchError
 
-MODES = ("off", "naive", "tally")
+MODES = ("off", "naive", "tally", "durable")
+#: The value of COUNTERS_DURABLE each mode runs with (the others do not count through Tally).
+DURABLE = {"tally": False, "durable": True}
 WORKLOADS = ("spread", "hot")
 
 #: Seconds between sending a run to the writers and its start in all of them.
@@ -72,7 +76,7 @@ def operations() -> dict[str, Callable[[int], None]]:
     def tally(uid: int) -> None:
         Notification.objects.create(recipient_id=uid, verb="bench")
 
-    return {"off": off, "naive": naive, "tally": tally}
+    return {"off": off, "naive": naive, "tally": tally, "durable": tally}
 
 
 def perform(run: Run, op: Callable[[int], None], pick: Callable[[], int]) -> Done:
@@ -93,6 +97,7 @@ def writer_main(
 ) -> None:
     """Body of one writer process: answer every :class:`Run` with a :class:`Done`."""
     context.setup()
+    from django.conf import settings
     from django.db import connection
 
     ops = operations()
@@ -102,6 +107,8 @@ def writer_main(
     conn.send(("ready", None))
     while (run := conn.recv()) is not None:
         try:
+            # Set for the whole run: ``tally`` and ``durable`` share one operation.
+            settings.COUNTERS_DURABLE = DURABLE.get(run.mode, False)
             conn.send(("done", perform(run, ops[run.mode], pickers[run.workload])))
         except Exception as exc:
             conn.send(("error", f"{run.mode}/{run.workload}: {type(exc).__name__}: {exc}"))
@@ -194,11 +201,13 @@ def measure(pool: WriterPool, rounds: int, seconds: float, warmup: float) -> dic
     result: dict = {}
     for workload, by_mode in rates.items():
         medians = {mode: statistics.median(values) for mode, values in by_mode.items()}
-        tally = by_mode["tally"]
+        tally, durable = by_mode["tally"], by_mode["durable"]
         result[workload] = {
             **{f"{mode}_ops_per_s": round(v, 1) for mode, v in medians.items()},
             "tally_off": round(_ratio(tally, by_mode["off"]), 3),
             "tally_naive": round(_ratio(tally, by_mode["naive"]), 3),
+            "durable_off": round(_ratio(durable, by_mode["off"]), 3),
+            "durable_tally": round(_ratio(durable, tally), 3),
             "rounds": {mode: [round(v, 1) for v in values] for mode, values in by_mode.items()},
         }
     return result

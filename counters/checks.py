@@ -38,6 +38,7 @@ def check_settings(app_configs=None, **kwargs):
                 )
             )
     errors += check_audit_interval()
+    errors += check_durable()
     prefix = conf.get("COUNTERS_KEY_PREFIX")
     if not prefix or any(c in prefix for c in "{} "):
         errors.append(
@@ -93,6 +94,53 @@ def check_audit_interval() -> list[CheckMessage]:
             )
         ]
     return []
+
+
+def check_durable() -> list[CheckMessage]:
+    """E023: COUNTERS_DURABLE a boolean; E024/E025: COUNTERS_OUTBOX_GRACE in range."""
+    from .outbox import OUTBOX_SAFE_AGE
+
+    errors: list[CheckMessage] = []
+    raw = conf.raw("COUNTERS_DURABLE")
+    if not isinstance(raw, bool) and not (
+        isinstance(raw, str) and raw.strip().lower() in conf.TRUE_WORDS | conf.FALSE_WORDS
+    ):
+        errors.append(
+            Error(
+                f"COUNTERS_DURABLE must be a boolean (True/False, or 1/0, true/false, yes/no, "
+                f"on/off in the environment), got {raw!r}.",
+                id="counters.E023",
+            )
+        )
+    name = "COUNTERS_OUTBOX_GRACE"
+    try:
+        grace = conf.get(name)
+    except (TypeError, ValueError) as exc:
+        return [*errors, Error(f"{name} is not a valid number: {exc}", id="counters.E024")]
+    if grace is None or not math.isfinite(grace) or grace <= 0:
+        return [
+            *errors,
+            Error(
+                f"{name} must be a finite number of seconds greater than 0 (got {grace!r}).",
+                id="counters.E024",
+            ),
+        ]
+    try:
+        interval = float(conf.flush_interval() or 0)
+    except (TypeError, ValueError):
+        interval = 0.0  # E003 reports it
+    if grace + interval >= OUTBOX_SAFE_AGE:
+        errors.append(
+            Error(
+                f"{name} ({grace:g} s) plus COUNTERS_FLUSH_INTERVAL ({interval:g} s) must be "
+                f"less than {OUTBOX_SAFE_AGE:g} s: an outbox row older than that can no longer "
+                "be pushed safely (Redis forgets its push id) and is repaired from the truth "
+                "instead.",
+                hint="Lower COUNTERS_OUTBOX_GRACE (the default is 30).",
+                id="counters.E025",
+            )
+        )
+    return errors
 
 
 @register("counters", deploy=True)

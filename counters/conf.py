@@ -137,10 +137,34 @@ SETTINGS: dict[str, Setting] = {
             90 * 24 * 3600,
             "Seconds the audit's repair records (AuditRepair) are kept.",
         ),
+        Setting(
+            "COUNTERS_DURABLE",
+            bool,
+            False,
+            "Durable mode: the deltas of each transaction are also written, inside it, to "
+            "the outbox table (one row per transaction and database) and the row is deleted "
+            "once Redis has them. A writer killed between COMMIT and its push loses nothing: "
+            "the flush pushes rows older than COUNTERS_OUTBOX_GRACE. Costs one INSERT in the "
+            "transaction and one DELETE after the push.",
+        ),
+        Setting(
+            "COUNTERS_OUTBOX_GRACE",
+            float,
+            30.0,
+            "Seconds an outbox row is left to its writer before a flush pushes it itself "
+            "(the writer died, or Redis was down). COUNTERS_OUTBOX_GRACE plus "
+            "COUNTERS_FLUSH_INTERVAL must stay under the age after which a row can no longer "
+            "be pushed safely (OUTBOX_SAFE_AGE, 120 s): older rows are repaired from the truth.",
+        ),
     )
 }
 
 _MISSING = object()
+
+
+#: Strings a boolean setting accepts (any case); anything else is an error (see checks.py).
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
 
 
 def parse(setting: Setting, raw: Any) -> Any:
@@ -148,7 +172,7 @@ def parse(setting: Setting, raw: Any) -> Any:
     if raw is None:
         return None
     if setting.type is bool and isinstance(raw, str):
-        return raw.strip().lower() in {"1", "true", "yes", "on"}
+        return raw.strip().lower() in TRUE_WORDS
     if setting.type is list:
         items = raw.split(",") if isinstance(raw, str) else raw
         return [str(item).strip() for item in items if str(item).strip()]
@@ -234,3 +258,19 @@ def audit_slice() -> int:
 
 def audit_retention() -> int:
     return get("COUNTERS_AUDIT_RETENTION")
+
+
+def durable() -> bool:
+    return bool(get("COUNTERS_DURABLE"))
+
+
+def outbox_grace() -> float:
+    return get("COUNTERS_OUTBOX_GRACE")
+
+
+def raw(name: str) -> Any:
+    """The value of setting ``name`` as given (Django setting, else environment), unparsed."""
+    value = getattr(django_settings, name, _MISSING)
+    if value is _MISSING:
+        value = os.environ.get(name, SETTINGS[name].default)
+    return value

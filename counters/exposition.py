@@ -49,14 +49,15 @@ class Collector(Protocol):
     def collect(self) -> Iterable[Metric]: ...
 
 
-def outbox_age(using: str) -> float | None:
-    """Seconds the oldest outbox row of database ``using`` has waited, or None.
+def outbox_state(using: str) -> tuple[int, float]:
+    """(rows, seconds the oldest has waited; 0 when empty) of the outbox of database ``using``.
 
-    None means there is no outbox: durable mode (``COUNTERS_DURABLE``) does
-    not exist yet, so ``tally_outbox_oldest_age_seconds`` is left out of the
-    scrape rather than shown as a 0 that nothing measured.
+    Rows exist only in durable mode (``COUNTERS_DURABLE``), or just after it
+    was turned off; the series are exposed in both modes (0 when empty).
     """
-    return None
+    from .outbox import stats
+
+    return stats(using)
 
 
 class _Families:
@@ -185,7 +186,7 @@ class StateCollector:
                 .filter(kind=FlushBatch.Kind.FALLBACK, unsettled__isnull=False)
                 .count()
             )
-            age = outbox_age(using)
+            outbox_rows, age = outbox_state(using)
         except DatabaseError as exc:
             logger.warning("metrics: database %r is unreachable (%s)", using, first_line(exc, 200))
             out.gauge("tally_database_up", "1 if the database answered this scrape.", db, 0)
@@ -211,13 +212,21 @@ class StateCollector:
             db,
             unsettled,
         )
-        if age is not None:
-            out.gauge(
-                "tally_outbox_oldest_age_seconds",
-                "Seconds the oldest outbox row has waited to be pushed.",
-                db,
-                age,
-            )
+        out.gauge(
+            "tally_outbox_oldest_age_seconds",
+            "Seconds the oldest outbox row (durable mode) has waited to be pushed; 0 when "
+            "empty. Above COUNTERS_OUTBOX_GRACE plus a flush interval, flushes are not "
+            "draining it.",
+            db,
+            age,
+        )
+        out.gauge(
+            "tally_outbox_rows",
+            "Outbox rows (durable mode): committed transactions whose deltas are not "
+            "acknowledged by Redis yet.",
+            db,
+            outbox_rows,
+        )
 
 
 class TallyOnly:

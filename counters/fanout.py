@@ -55,6 +55,7 @@ from .exceptions import BufferUnavailable, FlushFailed
 from .flusher import FlushResult, prune_ledger
 from .flusher import flush as run_flush
 from .flushing import added_up, auto_rebuild, needed_since
+from .outbox import drain as drain_outbox
 from .rebuild import repair_queued
 from .settle import settle_fallbacks
 from .utils import to_str
@@ -101,6 +102,7 @@ def start_run(using: str, parallelism: int) -> FlushRun:
     run = FlushRun(uuid.uuid4().hex[:16], using, partition(buffer.shards, parallelism))
     try:
         run.result.compensated = settle_fallbacks(buffer, using)
+        drain_outbox(buffer, using)
         prune_ledger(buffer, using, conf.ledger_retention())
         _write(
             buffer,

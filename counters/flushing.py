@@ -22,6 +22,7 @@ from . import conf, metrics, quarantine
 from .buffer import Buffer
 from .client import databases, get_buffer
 from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning
+from .outbox import drain as drain_outbox
 from .rebuild import rebuild_all, repair_queued
 from .settle import settle_fallbacks
 from .utils import first_line
@@ -69,6 +70,8 @@ def flush(
         # Fence late pushes first, so that what they added and what takes it
         # back cancel out in the pending set before this flush moves it.
         compensated = settle_fallbacks(buffer, using)
+        # Durable mode: push what dead or stuck writers left in the outbox, before the move.
+        drain_outbox(buffer, using)
         result = run_flush(
             buffer,
             using=using,

@@ -144,6 +144,20 @@ DRIFT_REPAIRED = Counter(
     registry=REGISTRY,
 )
 
+OUTBOX_PUSHED = Counter(
+    "tally_outbox_pushed",
+    "Outbox rows (durable mode) the flush pushed itself: their writer died or could not "
+    "push before COUNTERS_OUTBOX_GRACE.",
+    ["database"],
+    registry=REGISTRY,
+)
+OUTBOX_REPAIRED = Counter(
+    "tally_outbox_repaired",
+    "Outbox rows too old to push safely: their keys were queued for repair from the truth.",
+    ["database"],
+    registry=REGISTRY,
+)
+
 _failed_once = False
 
 
@@ -174,6 +188,15 @@ def fallback_written(using: str, keys: int) -> None:
 def late_push_settled(using: str, *, taken_back: bool) -> None:
     """A flush settled a direct write whose push had timed out: fenced, or taken back."""
     LATE_PUSHES.labels(using, "taken_back" if taken_back else "fenced").inc()
+
+
+@_never_raises
+def outbox_drained(using: str, pushed: int, repaired: int) -> None:
+    """A flush pushed ``pushed`` outbox rows and queued ``repaired`` too old ones for repair."""
+    if pushed:
+        OUTBOX_PUSHED.labels(using).inc(pushed)
+    if repaired:
+        OUTBOX_REPAIRED.labels(using).inc(repaired)
 
 
 @_never_raises
@@ -259,6 +282,8 @@ def prepare(databases: Iterable[str], counters: Iterable[str]) -> None:
             DROPPED_KEYS,
             FALLBACK_WRITES,
             FALLBACK_KEYS,
+            OUTBOX_PUSHED,
+            OUTBOX_REPAIRED,
         ):
             metric.labels(using)
         for counter in counters:

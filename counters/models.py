@@ -148,3 +148,29 @@ class AuditRepair(models.Model):
     def delta(self) -> int:
         """What the repair added."""
         return self.truth - self.stored - self.buffered
+
+
+class Outbox(models.Model):
+    """Deltas of one committed transaction on one database, until Redis has them.
+
+    Written only in durable mode (``COUNTERS_DURABLE``), inside the transaction
+    whose deltas it holds, right before its COMMIT: one row per transaction and
+    database, so no two writers ever touch the same row. The writer deletes it
+    once its push is acknowledged (or in the transaction of its direct write
+    when Redis fails). A row older than ``COUNTERS_OUTBOX_GRACE`` belongs to a
+    writer that died or could not finish: the flush pushes it with the same
+    push id, so Redis counts it once (see :mod:`counters.outbox`).
+    """
+
+    push_id = models.CharField(max_length=64, primary_key=True)
+    deltas = models.JSONField(help_text="{member: delta} of the transaction.")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        # No index on created_at: the table holds only rows in flight (usually none),
+        # and every index is one more write per counted transaction.
+        ordering = ["created_at"]
+        verbose_name = "outbox row"
+
+    def __str__(self) -> str:
+        return f"outbox {self.push_id} ({len(self.deltas or {})} deltas)"

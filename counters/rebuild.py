@@ -24,7 +24,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 from redis import RedisError
 
-from . import conf, metrics, reads, repair
+from . import conf, metrics, outbox, reads, repair
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
@@ -116,6 +116,9 @@ def _drifts(spec: CounterSpec, page: list[Any], using: str) -> tuple[dict[Any, D
     """
     before = _source(spec).count_for(page, using=using)
     parts = reads.get_parts(spec.name, page, using=using)
+    # Committed deltas still in the outbox (durable mode) are buffered too: the flush
+    # pushes them later, so "repairing" them now would count them twice.
+    held = outbox.pending([spec.member(key) for key in page], using)
     after = _source(spec).count_for(page, using=using)
     drifts, moved = {}, set()
     for key in page:
@@ -124,6 +127,7 @@ def _drifts(spec: CounterSpec, page: list[Any], using: str) -> tuple[dict[Any, D
             moved.add(key)
             continue
         stored, pending = parts[key]
+        pending += held.get(spec.member(key), 0)
         if stored + pending != truth:
             drifts[key] = Drift(key, stored, pending, truth)
     return drifts, moved

@@ -16,6 +16,7 @@ from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
 from .fanout import last_run
 from .models import BufferEpoch, FlushBatch
+from .outbox import summary as outbox_summary
 from .repair import queue_key
 from .utils import to_str
 
@@ -165,6 +166,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
             "counters": quarantine.by_counter(quarantined),
         },
         "audit": audit_status(using),
+        "outbox": outbox_summary(using),
     }
 
 
@@ -184,4 +186,5 @@ def gather_without_redis(
         "ledger": ledger_status(using),
         "epoch": epoch,
         "audit": audit_status(using),
+        "outbox": outbox_summary(using),
     }

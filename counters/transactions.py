@@ -22,12 +22,20 @@ a real COMMIT, and it is what sends the deltas where no COMMIT ever happens
 but the callbacks are run (``TestCase.captureOnCommitCallbacks(execute=True)``).
 Outside a transaction, with autocommit on, the change is already committed
 and its deltas go at once.
+
+Durable mode (``COUNTERS_DURABLE``, :mod:`counters.outbox`): the wrapped
+``commit()`` first writes the transaction's deltas to an outbox row under a
+new push id, inside the transaction, then COMMITs, then sends them under that
+id; the row is deleted once they are counted. With autocommit on, the row is
+written right after the change (its own statement): a process killed between
+the two loses that delta until the audit repairs it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -37,7 +45,9 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 logger = logging.getLogger(__name__)
 
-Sender = Callable[[Mapping[str, int], str], None]
+#: ``send(deltas, using)``, or ``send(deltas, using, push_id=..., outbox=True)`` when the
+#: deltas are held in an outbox row (see :func:`counters.writes.send`).
+Sender = Callable[..., None]
 
 _tokens = itertools.count(1)
 
@@ -110,13 +120,61 @@ def _state(conn: BaseDatabaseWrapper) -> _Transaction:
     return state
 
 
-def _deliver(conn: BaseDatabaseWrapper, state: _Transaction) -> None:
+def _deliver(
+    conn: BaseDatabaseWrapper,
+    state: _Transaction,
+    push_id: str | None = None,
+    written_at: float = 0.0,
+) -> None:
     deltas, send = state.take()
     if deltas and send is not None:
         try:
-            send(deltas, conn.alias)
+            if push_id is None:
+                send(deltas, conn.alias)
+                return
+            from . import conf, outbox
+
+            late = time.monotonic() - written_at
+            if late > conf.outbox_grace():
+                # The COMMIT took longer than the grace: a flush may have pushed the row.
+                from . import writers
+
+                # Pushed by a claim of the row, like a flush does: the writer ends here.
+                try:
+                    outbox.push_late(push_id, conn.alias, late)
+                finally:
+                    writers.retire(writers.PushId.parse(push_id))
+            else:
+                send(deltas, conn.alias, push_id=push_id, outbox=True)
         except Exception:  # the transaction has committed: never fail the caller now
             logger.exception("could not send %s committed deltas", len(deltas))
+
+
+def _write_outbox(conn: BaseDatabaseWrapper, state: _Transaction) -> str | None:
+    """In durable mode, write the deltas about to commit to an outbox row; its push id.
+
+    Runs inside the transaction, right before the real COMMIT. An error
+    (the outbox table missing) fails the COMMIT: durable mode promised this row.
+    """
+    if not state.by_context or state.send is None:
+        return None
+    from . import conf
+
+    if not conf.durable():
+        return None
+    deltas = state.merged()
+    if not deltas:
+        return None
+    from . import outbox, writers
+    from .writes import new_push_id
+
+    push_id = new_push_id()
+    try:
+        outbox.write(deltas, conn.alias, push_id)
+    except BaseException:
+        writers.release(writers.PushId.parse(push_id))
+        raise
+    return push_id
 
 
 def connection_created(sender: Any, connection: BaseDatabaseWrapper, **kwargs: Any) -> None:
@@ -138,8 +196,17 @@ def install(conn: BaseDatabaseWrapper) -> None:
     )
 
     def counted_commit() -> None:
-        commit()
-        _deliver(conn, state)
+        push_id = _write_outbox(conn, state)
+        written_at = time.monotonic()
+        try:
+            commit()
+        except BaseException:
+            if push_id is not None:  # never committed: its number is never pushed
+                from . import writers
+
+                writers.release(writers.PushId.parse(push_id))
+            raise
+        _deliver(conn, state, push_id, written_at)
 
     def counted_rollback() -> None:
         try:
@@ -188,7 +255,7 @@ def record(deltas: Mapping[str, int], using: str, send: Sender) -> None:
     if not in_atomic and conn.get_autocommit():
         now = {member: delta for member, delta in deltas.items() if delta}
         if now:
-            send(now, using)
+            _send_now(now, using, send)
         return
     state = _state(conn)
     state.record(deltas, send)
@@ -196,6 +263,28 @@ def record(deltas: Mapping[str, int], using: str, send: Sender) -> None:
         state.callback_queued = True
         # No savepoint ids: rolled-back savepoints are handled by ``state``.
         conn.run_on_commit.append((set(), lambda: _deliver(conn, state), True))  # type: ignore[arg-type]  # robust
+
+
+def _send_now(deltas: dict[str, int], using: str, send: Sender) -> None:
+    """Send the deltas of a change made in autocommit mode (already committed)."""
+    from . import conf
+
+    if not conf.durable():
+        send(deltas, using)
+        return
+    from . import outbox
+    from .writes import new_push_id
+
+    # Its own statement, right after the change: a process killed in between loses
+    # this delta until the audit repairs it (there is no transaction to join).
+    push_id = new_push_id()
+    try:
+        outbox.write(deltas, using, push_id)
+    except Exception:  # the change is committed: never fail the caller now
+        logger.exception("could not write the outbox row of %s deltas", len(deltas))
+        send(deltas, using, push_id=push_id)
+        return
+    send(deltas, using, push_id=push_id, outbox=True)
 
 
 def unsent(members: Iterable[str], using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:

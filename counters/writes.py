@@ -68,7 +68,22 @@ def may_have_left(exc: BaseException) -> bool:
     return not isinstance(exc, NotConnected)
 
 
-def send(deltas: Mapping[str, int], using: str, *, push_id: PushId | None = None) -> None:
+def new_push_id() -> str:
+    """A push id allocated now, before COMMIT, as text (``"<writer>:<seq>"``).
+
+    Its writer is held until :func:`send` ends the id; a caller that does not
+    send (its COMMIT failed) must :func:`counters.writers.release` it.
+    """
+    return str(writers.allocate())
+
+
+def send(
+    deltas: Mapping[str, int],
+    using: str,
+    *,
+    push_id: PushId | str | None = None,
+    outbox: bool = False,
+) -> None:
     """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
 
     Deltas that a Redis score cannot sum exactly (2**53 and beyond) are
@@ -76,20 +91,30 @@ def send(deltas: Mapping[str, int], using: str, *, push_id: PushId | None = None
     where the request has already succeeded.
 
     The push uses ``push_id`` when given (allocated before COMMIT with
-    :func:`counters.writers.allocate`), else a fresh id of this process's
-    writers. Either way it ends the id: :func:`counters.writers.release` if the
-    push resolved, :func:`counters.writers.retire` if it may have left without
-    an answer. A caller that ends the id again afterwards changes nothing.
+    :func:`new_push_id` or :func:`counters.writers.allocate`), else a fresh id
+    of this process's writers. Either way it ends the id:
+    :func:`counters.writers.release` if the push resolved,
+    :func:`counters.writers.retire` if it may have left without an answer. A
+    caller that ends the id again afterwards changes nothing. ``outbox``: the
+    deltas are held in the outbox row ``push_id`` (durable mode), deleted once
+    they are counted: after the push, or in the transaction of the direct
+    write; a push that did not succeed then always retires its writer, so a
+    flush that pushes the row later under that id is its writer's last number.
     """
-    pid = writers.allocate() if push_id is None else push_id
+    if push_id is None:
+        pid = writers.allocate()
+    elif isinstance(push_id, str):
+        pid = PushId.parse(push_id)
+    else:
+        pid = push_id
     resolved = False
     try:
-        resolved = _send(deltas, using, pid)
+        resolved = _send(deltas, using, pid, outbox)
     finally:
         writers.finish(pid, resolved)
 
 
-def _send(deltas: Mapping[str, int], using: str, push_id: PushId) -> bool:
+def _send(deltas: Mapping[str, int], using: str, push_id: PushId, outbox: bool) -> bool:
     """:func:`send`; True if the push resolved (its writer may push again)."""
     rest = {member: delta for member, delta in deltas.items() if delta}
     direct: dict[str, int] = {}
@@ -111,6 +136,11 @@ def _send(deltas: Mapping[str, int], using: str, push_id: PushId) -> bool:
                     logger.warning(
                         "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
                     )
+    else:
+        pushed = True
+    if outbox:
+        send_outbox(rest, direct, using, str(push_id), pushed=pushed, maybe_sent=maybe_sent)
+        return pushed and not maybe_sent
     if direct:
         # These never entered Redis: nothing to fence, a settled write.
         write_direct(direct, using)
@@ -119,6 +149,41 @@ def _send(deltas: Mapping[str, int], using: str, push_id: PushId) -> bool:
     # A push that may have left without an answer (even one a repeat completed)
     # ends its writer: a late delivery is then always the writer's last number.
     return not maybe_sent
+
+
+def send_outbox(
+    rest: dict[str, int],
+    direct: dict[str, int],
+    using: str,
+    push_id: str,
+    *,
+    pushed: bool,
+    maybe_sent: bool,
+) -> None:
+    """The end of :func:`send` for deltas held in outbox row ``push_id``: delete the row.
+
+    Once pushed, the row goes (one DELETE); the members Redis refused are
+    written directly in the same transaction as the DELETE. Not pushed, the
+    direct write of the rest deletes the row. If the row is gone, a flush
+    took it (pushed it itself): that direct write is skipped.
+    """
+    from . import outbox as outbox_rows
+
+    if pushed and not direct:
+        try:
+            outbox_rows.forget(push_id, using)
+        except Exception:  # the next flush pushes it again, under the same id: counted once
+            logger.exception("could not delete outbox row %s", push_id)
+        return
+    if pushed:
+        write_direct(direct, using, outbox=push_id)
+        return
+    if direct:
+        # Never in Redis, so never fenced: kept apart from the unsettled write below,
+        # whose fence could find this push id applied in their shard by a later attempt.
+        # (A process killed between the two writes has them pushed again by the flush.)
+        write_direct(direct, using)
+    write_direct(rest, using, push_id=push_id, unsettled=maybe_sent, outbox=push_id)
 
 
 def push_exact(
@@ -151,12 +216,15 @@ def write_direct(
     push_id: PushId | str | None = None,
     unsettled: bool = False,
     attempts: int = 3,
+    outbox: str | None = None,
 ) -> None:
     """Apply deltas to the DB now, recorded in the ledger as a fallback batch.
 
     Deltas whose counted row is gone are dropped (and counted), the others
     applied: a row deleted while the transaction ran fails it at COMMIT, and
-    the next attempt no longer finds that row.
+    the next attempt no longer finds that row. ``outbox``: the outbox row
+    holding these deltas (durable mode), deleted in the same transaction; if
+    it is already gone (a flush pushed it), nothing is written.
     """
     global fallback_count
     from .apply import apply_deltas
@@ -171,17 +239,22 @@ def write_direct(
     for attempt in range(1, attempts + 1):
         try:
             with transaction.atomic(using=using):
-                applied = apply_deltas(deltas, using)
-                ledger.create(
-                    batch_id=batch_id,
-                    kind=FlushBatch.Kind.FALLBACK,
-                    keys=applied.keys,
-                    deltas=applied.deltas,
-                    dropped=applied.dropped,
-                    unsettled=dict(deltas) if unsettled else None,
-                )
+                # Gone: a flush took the row and counted the deltas through Redis.
+                mine = outbox is None or _claim_outbox(outbox, using)
+                if mine:
+                    applied = apply_deltas(deltas, using)
+                    ledger.create(
+                        batch_id=batch_id,
+                        kind=FlushBatch.Kind.FALLBACK,
+                        keys=applied.keys,
+                        deltas=applied.deltas,
+                        dropped=applied.dropped,
+                        unsettled=dict(deltas) if unsettled else None,
+                    )
             if manual:
                 conn.commit()
+            if not mine:
+                return
             fallback_count += 1
             metrics.fallback_written(using, applied.keys)
             return
@@ -203,3 +276,9 @@ def write_direct(
                 conn.rollback()
             logger.exception("could not write %s deltas to the DB: %r", len(deltas), capped(deltas))
             return
+
+
+def _claim_outbox(push_id: str, using: str) -> bool:
+    from .outbox import delete
+
+    return delete(push_id, using)

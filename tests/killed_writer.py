@@ -9,7 +9,9 @@ notification for the user in ``transaction.atomic()`` and kills itself:
   Django's commit hooks;
 - ``--at push``: the Redis push of the committed deltas sends SIGKILL before
   anything is written to Redis (a fault injected by wrapping
-  ``Buffer.push``), so the process dies between the COMMIT and the push.
+  ``Buffer.push``), so the process dies between the COMMIT and the push;
+- ``--at pushed``: the push reaches Redis, then the process dies before it
+  returns (durable mode: before the outbox row is deleted).
 
 It never exits normally: a return code other than -9 means it did not get
 that far.
@@ -42,13 +44,23 @@ def kill_in_push(self: Buffer, *args: Any, **kwargs: Any) -> Any:
     die()
 
 
+_real_push = Buffer.push
+
+
+def kill_after_push(self: Buffer, *args: Any, **kwargs: Any) -> Any:
+    _real_push(self, *args, **kwargs)
+    die()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--user", type=int, required=True)
-    parser.add_argument("--at", choices=["on_commit", "push"], required=True)
+    parser.add_argument("--at", choices=["on_commit", "push", "pushed"], required=True)
     args = parser.parse_args()
     if args.at == "push":
         Buffer.push = kill_in_push  # type: ignore[method-assign]
+    elif args.at == "pushed":
+        Buffer.push = kill_after_push  # type: ignore[method-assign]
     with transaction.atomic():
         if args.at == "on_commit":
             transaction.on_commit(die)

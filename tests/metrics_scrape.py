@@ -21,6 +21,8 @@ PROCESS_FAMILIES = {
     "tally_late_pushes",
     "tally_drift_found",
     "tally_drift_repaired",
+    "tally_outbox_pushed",
+    "tally_outbox_repaired",
 }
 STATE_FAMILIES = {
     "tally_redis_up",
@@ -35,6 +37,8 @@ STATE_FAMILIES = {
     "tally_epoch_losses",
     "tally_rebuild_needed",
     "tally_unsettled_fallbacks",
+    "tally_outbox_oldest_age_seconds",
+    "tally_outbox_rows",
 }
 
 

@@ -25,8 +25,16 @@ WORKLOADS = ("spread", "hot")
 FIGURES = [
     ("machine", "nproc"),
     ("machine", "memory_mb"),
-    *[("writes", w, f"{m}_ops_per_s") for w in WORKLOADS for m in ("off", "naive", "tally")],
-    *[("writes", w, ratio) for w in WORKLOADS for ratio in ("tally_off", "tally_naive")],
+    *[
+        ("writes", w, f"{m}_ops_per_s")
+        for w in WORKLOADS
+        for m in ("off", "naive", "tally", "durable")
+    ],
+    *[
+        ("writes", w, ratio)
+        for w in WORKLOADS
+        for ratio in ("tally_off", "tally_naive", "durable_off", "durable_tally")
+    ],
     ("flush", "flush_keys_per_s"),
     ("flush", "raw_keys_per_s"),
     ("flush", "flush_raw"),
@@ -90,6 +98,8 @@ def test_quick_json_checks_and_targets(quick_run):
     assert quick_run["config"]["quick"] is True
     assert quick_run["reads"]["exact"] is True
     assert quick_run["writes"]["tally_deltas_match"] is True
+    assert quick_run["writes"]["durable_ops"] > 0
+    assert quick_run["writes"]["outbox_rows_left"] == 0  # each durable write deleted its row
     assert isinstance(dig(quick_run, ("memory", "growth_mb")), numbers.Real)
     for key in ("database", "redis"):
         assert quick_run["machine"][key]

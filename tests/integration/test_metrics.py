@@ -70,7 +70,8 @@ def test_every_series_once_enabled(client, enabled, make_user):
     counters.flush()
     result = scrape(client)
     assert set(result.types) == PROCESS_FAMILIES | STATE_FAMILIES
-    assert "tally_outbox_oldest_age_seconds" not in result.text  # no outbox yet, never a fake 0
+    assert result.value("tally_outbox_rows", database="default") == 0  # durable mode is off
+    assert result.value("tally_outbox_oldest_age_seconds", database="default") == 0
     assert "_created" not in result.text
     for line in result.text.splitlines():
         if line.startswith("# HELP "):
@@ -88,6 +89,8 @@ def test_every_series_once_enabled(client, enabled, make_user):
         "tally_drift_found",
         "tally_drift_repaired",
         "tally_epoch_losses",
+        "tally_outbox_pushed",
+        "tally_outbox_repaired",
     }
     assert result.types["tally_flush_duration_seconds"] == "histogram"
     assert result.by_shard("tally_backlog_keys").keys() == set(range(16))

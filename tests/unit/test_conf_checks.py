@@ -41,6 +41,8 @@ DEFAULTS = {
     "COUNTERS_AUDIT_INTERVAL": 10,
     "COUNTERS_AUDIT_SLICE": 1000,
     "COUNTERS_AUDIT_RETENTION": 7_776_000,
+    "COUNTERS_DURABLE": False,
+    "COUNTERS_OUTBOX_GRACE": 30.0,
 }
 
 
@@ -222,6 +224,8 @@ def test_every_positive_check_has_its_own_id():
         "COUNTERS_DATABASES",
         "COUNTERS_METRICS",
         "COUNTERS_AUDIT_INTERVAL",  # 0 is allowed: E022
+        "COUNTERS_DURABLE",  # a boolean: E023
+        "COUNTERS_OUTBOX_GRACE",  # positive, and below the push id lifetime: E024, E025
     }
 
 
@@ -289,6 +293,55 @@ def test_bad_redis_url_setting_fallback_is_e009_too(settings):
 def test_none_number_is_an_error_not_a_crash(settings):
     settings.COUNTERS_SHARDS = None
     assert [e.id for e in check_settings()] == ["counters.E001"]
+
+
+# -- durable mode: E023-E025 ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("1", True), ("on", True), ("TRUE", True), ("0", False), ("off", False), ("", False)],
+)
+def test_counters_durable_from_the_environment(monkeypatch, raw, expected):
+    monkeypatch.setenv("COUNTERS_DURABLE", raw)
+    assert conf.durable() is expected
+    assert check_settings() == []
+
+
+@pytest.mark.parametrize("raw", ["enabled", "2", "durable"])
+def test_counters_durable_not_a_boolean_is_e023(monkeypatch, raw):
+    monkeypatch.setenv("COUNTERS_DURABLE", raw)
+    assert [e.id for e in check_settings()] == ["counters.E023"]
+    assert raw in check_settings()[0].msg
+
+
+def test_counters_durable_setting_true_passes(settings):
+    settings.COUNTERS_DURABLE = True
+    assert conf.durable() is True
+    assert check_settings() == []
+
+
+@pytest.mark.parametrize("grace", [0, -1, float("nan"), None, "soon"])
+def test_bad_outbox_grace_is_e024(settings, grace):
+    settings.COUNTERS_OUTBOX_GRACE = grace
+    assert [e.id for e in check_settings()] == ["counters.E024"]
+
+
+def test_outbox_grace_too_close_to_the_push_id_lifetime_is_e025(settings):
+    settings.COUNTERS_OUTBOX_GRACE = 100
+    settings.COUNTERS_FLUSH_INTERVAL = 20  # 120 s: a row could be pushed after its id is gone
+    errors = check_settings()
+    assert [e.id for e in errors] == ["counters.E025"]
+    assert "120" in errors[0].msg
+    settings.COUNTERS_FLUSH_INTERVAL = 19
+    assert check_settings() == []
+
+
+def test_outbox_grace_from_the_environment(monkeypatch):
+    monkeypatch.setenv("COUNTERS_OUTBOX_GRACE", "2.5")
+    assert conf.outbox_grace() == 2.5
+    monkeypatch.setenv("COUNTERS_OUTBOX_GRACE", "500")
+    assert [e.id for e in check_settings()] == ["counters.E025"]
 
 
 # -- check_redis_reachable (deploy) ---------------------------------------------------

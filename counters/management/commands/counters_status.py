@@ -93,6 +93,7 @@ class Command(OneLineFailures):
         lines += self.quarantine_lines(status["quarantine"])
         lines.append(self.ledger_line(status["ledger"]))
         lines += self.audit_lines(status["audit"])
+        lines.append(self.outbox_line(status["outbox"]))
         lines.append("shard  pending  lag(s)  in-flight batch (keys, age s)        lease (expires)")
         for s in status["shards"]:
             inflight = (
@@ -119,7 +120,14 @@ class Command(OneLineFailures):
         lines.append(self.ledger_line(status["ledger"]))
         lines.append(f"unsettled direct writes: {status['ledger']['unsettled_fallbacks']}")
         lines += self.audit_lines(status["audit"])
+        lines.append(self.outbox_line(status["outbox"]))
         return "\n".join(lines)
+
+    @staticmethod
+    def outbox_line(outbox: dict) -> str:
+        """Durable mode and the outbox: rows waiting for Redis, the oldest one's age."""
+        mode = "durable" if outbox["durable"] else "buffered (COUNTERS_DURABLE off)"
+        return f"outbox: {outbox['rows']} rows, oldest {outbox['oldest_age']:.1f}s; mode {mode}"
 
     @staticmethod
     def audit_lines(audit: dict) -> list[str]:
