@@ -141,8 +141,13 @@ def _apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -
     the keys whose row it did not find. Those go through
     :func:`_upsert_postgresql`, which creates them, or adds to them if
     another applier created them meanwhile, or drops them if their parent row
-    is gone. The keys are sorted and the join runs over them in that order,
-    so rows are locked in key order as in the upsert.
+    is gone.
+
+    The ``= ANY`` of the keys makes the rows an index scan of just those
+    keys, whatever the table's statistics say (a join alone hashes the whole
+    table when the planner thinks it small). The planner then expects few
+    rows from it: it hashes them and runs the join over the sorted keys, so
+    rows are locked in key order as in the upsert.
     """
     conn = connections[using]
     n = _Names(spec, conn)
@@ -152,7 +157,8 @@ def _apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -
         f"WITH d AS MATERIALIZED (SELECT k, n FROM unnest(%s::{n.key_type}[], %s::bigint[]) "
         f"AS d(k, n) ORDER BY k), "
         f"u AS (UPDATE {n.table} AS t SET {n.value} = t.{n.value} + d.n FROM d "
-        f"WHERE t.{n.key} = d.k RETURNING t.{n.key} AS k) "
+        f"WHERE t.{n.key} = d.k AND t.{n.key} = ANY(ARRAY(SELECT k FROM d)) "
+        f"RETURNING t.{n.key} AS k) "
         f"SELECT d.k FROM d WHERE NOT EXISTS (SELECT 1 FROM u WHERE u.k = d.k)"
     )
     with conn.cursor() as cursor:
