@@ -124,7 +124,9 @@ def render(results: dict) -> str:
             "",
             f"flush: {f['keys']:,} pending keys, batches of {f['batch_size']}: "
             f"flush {f['flush_keys_per_s']:,.0f} keys/s, raw SQL {f['raw_keys_per_s']:,.0f} "
-            f"keys/s, flush/raw {f['flush_raw']:.2f}   (load {_load(f['load'])})",
+            f"keys/s, flush/raw {f['flush_raw']:.2f}; raw SQL in key order "
+            f"{f.get('raw_sequential_keys_per_s', 0):,.0f} keys/s, flush/that "
+            f"{f.get('flush_raw_sequential', 0):.2f}   (load {_load(f['load'])})",
         ]
     if "parallel" in results:
         p = results["parallel"]

@@ -391,7 +391,7 @@ def flush(
     buffer: Buffer,
     *,
     using: str = DEFAULT_DB_ALIAS,
-    batch_size: int = 1000,
+    batch_size: int = 5000,
     time_budget: float = 30.0,
     lease_timeout: float = 30.0,
     retention: int | None = None,
