@@ -88,9 +88,10 @@ return 1
 """
 
 # Forget in-flight batch ARGV[4] if it is still in flight (an ack, '' for none); then return
-# the batch in flight, or move up to ARGV[2] pending members (only members ARGV[5..] when
-# given) into a new batch ARGV[1] tagged with the shard's next sequence number (epoch.py
-# compares it with the DB's). Scores are returned as integers.
+# the batch in flight, or move up to ARGV[2] pending members, lowest scores first (only
+# members ARGV[5..] when given), into a new batch ARGV[1] tagged with the shard's next
+# sequence number (epoch.py compares it with the DB's). Scores are returned as integers.
+# Needs Redis 6.2 (ZRANGESTORE).
 MOVE_SCRIPT = """
 local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local since, seq = KEYS[5], KEYS[6]
@@ -107,32 +108,36 @@ if current then
   for i = 2, #flat, 2 do flat[i] = tonumber(flat[i]) end
   return {'inflight', current, info[1], flat, info[2] or '0'}
 end
-local popped = {}
+local items = {}
 if #ARGV > 4 then
+  local chunk, found = {}, 0
   for i = 5, math.min(#ARGV, limit + 4) do
     local score = redis.call('ZSCORE', pending, ARGV[i])
     if score then
       redis.call('ZREM', pending, ARGV[i])
-      popped[#popped + 1] = ARGV[i]
-      popped[#popped + 1] = score
+      found = found + 1
+      if tonumber(score) ~= 0 then
+        items[#items + 1] = ARGV[i]
+        items[#items + 1] = tonumber(score)
+        chunk[#chunk + 1] = score
+        chunk[#chunk + 1] = ARGV[i]
+        if #chunk >= 1000 then redis.call('ZADD', inflight, unpack(chunk)); chunk = {} end
+      end
     end
   end
+  if #chunk > 0 then redis.call('ZADD', inflight, unpack(chunk)) end
+  if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
+  if found == 0 then return {'empty'} end
 else
-  popped = redis.call('ZPOPMIN', pending, limit)
+  -- the lowest scores first, as ZPOPMIN; copied and removed in C, not member by member
+  local moved = redis.call('ZRANGESTORE', inflight, pending, 0, limit - 1)
+  if moved == 0 then return {'empty'} end
+  redis.call('ZREMRANGEBYRANK', pending, 0, limit - 1)
+  redis.call('ZREMRANGEBYSCORE', inflight, 0, 0)  -- zero sums are dropped, never applied
+  if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
+  items = redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES')
+  for i = 2, #items, 2 do items[i] = tonumber(items[i]) end
 end
-if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
-if #popped == 0 then return {'empty'} end
-local items, chunk = {}, {}
-for i = 1, #popped, 2 do
-  if tonumber(popped[i + 1]) ~= 0 then
-    items[#items + 1] = popped[i]
-    items[#items + 1] = tonumber(popped[i + 1])
-    chunk[#chunk + 1] = popped[i + 1]
-    chunk[#chunk + 1] = popped[i]
-    if #chunk >= 1000 then redis.call('ZADD', inflight, unpack(chunk)); chunk = {} end
-  end
-end
-if #chunk > 0 then redis.call('ZADD', inflight, unpack(chunk)) end
 local number = 0
 if #items > 0 then
   number = redis.call('INCR', seq)
