@@ -53,7 +53,7 @@ from .buffer import Batch, Buffer
 from .epoch import check_epoch, record_applied, record_loss
 from .lease import Lease
 from .models import BufferEpoch, FlushBatch
-from .utils import capped, first_line
+from .utils import capped, column, first_line, model_field
 
 logger = logging.getLogger(__name__)
 
@@ -176,12 +176,13 @@ def record_batch(batch: Batch, using: str) -> None:
     query.insert_values(FlushBatch._meta.concrete_fields, [row])
     [(insert, params)] = query.get_compiler(using=using).as_sql()
     qn = conn.ops.quote_name
-    meta = BufferEpoch._meta
-    prefix, shard, seq = (qn(meta.get_field(f).column) for f in ("prefix", "shard", "seq"))
+    prefix, shard, seq = (
+        qn(column(model_field(BufferEpoch, f))) for f in ("prefix", "shard", "seq")
+    )
     with conn.cursor() as cursor:
         cursor.execute(
-            f"WITH epoch AS (UPDATE {qn(meta.db_table)} SET {seq} = GREATEST({seq}, %s) "
-            f"WHERE {prefix} = %s AND {shard} = %s) {insert}",
+            f"WITH epoch AS (UPDATE {qn(BufferEpoch._meta.db_table)} "
+            f"SET {seq} = GREATEST({seq}, %s) WHERE {prefix} = %s AND {shard} = %s) {insert}",
             [batch.seq, batch.prefix, batch.shard, *params],
         )
 
