@@ -10,7 +10,11 @@ SECTIONS = ("writes", "flush", "parallel", "reads", "memory", "idempotency")
 
 @dataclass(frozen=True)
 class BenchConfig:
+    #: Writer processes; with ``process_counts``, the largest of them.
     processes: int = 8
+    #: Writer counts the writes are measured at, one after the other (``--processes 2,4,8``);
+    #: empty: ``processes`` alone.
+    process_counts: tuple[int, ...] = ()
     #: Length of one measured write run, in seconds.
     seconds: float = 2.0
     #: Interleaved rounds of every (workload, mode) pair.
@@ -60,6 +64,10 @@ class BenchConfig:
             quick=True,
         )
         return replace(small, **overrides)
+
+    def writer_counts(self) -> tuple[int, ...]:
+        """The writer counts to measure, smallest first."""
+        return self.process_counts or (self.processes,)
 
     def users_needed(self, sections: tuple[str, ...]) -> int:
         """Bench users the chosen sections key their counters on."""

@@ -36,26 +36,42 @@ def pending_total(buffer: Buffer) -> int:
 
 
 def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
-    progress(f"writes: starting {config.processes} writer processes")
+    """The writes at each writer count; the figures of the largest at the top level."""
     context = ChildContext.from_parent()
-    pool = writers.WriterPool(
-        config.processes, context, users[: config.spread_users], users[0], timeout=60
-    )
-    try:
-        progress("writes: measuring off / naive / tally / durable, spread and hot, interleaved")
-        result = writers.measure(pool, config.rounds, config.seconds, config.warmup)
-    finally:
-        pool.close()
+    probe = writers.RedisProbe(buffer.client)
+    by_count: dict[str, dict] = {}
+    tally_ops = durable_ops = 0
+    for processes in config.writer_counts():
+        progress(f"writes: starting {processes} writer processes")
+        pool = writers.WriterPool(
+            processes, context, users[: config.spread_users], users[0], timeout=60
+        )
+        try:
+            progress(
+                f"writes: measuring off / naive / tally / durable, spread and hot, interleaved, "
+                f"{processes} writers"
+            )
+            result = writers.measure(pool, config.rounds, config.seconds, config.warmup, probe)
+        finally:
+            pool.close()
+        result["processes"] = processes
+        result["load"] = report.load()
+        by_count[str(processes)] = result
+        tally_ops += pool.ops["tally"]
+        durable_ops += pool.ops["durable"]
     from counters.models import Outbox
 
     pending = pending_total(buffer)
-    counted = pool.ops["tally"] + pool.ops["durable"]
-    result["tally_ops"] = pool.ops["tally"]
-    result["durable_ops"] = pool.ops["durable"]
+    result = dict(by_count[str(max(config.writer_counts()))])
+    result["by_processes"] = by_count
+    result["tally_ops"] = tally_ops
+    result["durable_ops"] = durable_ops
     result["tally_pending_deltas"] = pending
     # Every counted insert (tally and durable) is in Redis, once; no outbox row is left.
     result["outbox_rows_left"] = Outbox.objects.count()
-    result["tally_deltas_match"] = pending == counted and result["outbox_rows_left"] == 0
+    result["tally_deltas_match"] = (
+        pending == tally_ops + durable_ops and result["outbox_rows_left"] == 0
+    )
     return result
 
 

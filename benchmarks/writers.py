@@ -18,6 +18,7 @@ wall-clock instant in all writers and lasts the same number of seconds.
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import random
 import statistics
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 from .child import ChildContext
 from .errors import BenchError
@@ -54,6 +56,8 @@ class Run:
 class Done:
     ops: int
     seconds: float
+    #: Seconds each operation took, in the order they ran.
+    latencies: list[float]
 
 
 def operations() -> dict[str, Callable[[int], None]]:
@@ -81,15 +85,18 @@ def operations() -> dict[str, Callable[[int], None]]:
 
 def perform(run: Run, op: Callable[[int], None], pick: Callable[[], int]) -> Done:
     time.sleep(max(0.0, run.start_at - time.time()))
-    ops = 0
-    started = time.perf_counter()
+    latencies: list[float] = []
+    clock = time.perf_counter
+    started = now = clock()
     end = started + run.seconds
     while True:
-        op(pick())
-        ops += 1
-        now = time.perf_counter()
+        key = pick()
+        before = now
+        op(key)
+        now = clock()
+        latencies.append(now - before)
         if now >= end:
-            return Done(ops, now - started)
+            return Done(len(latencies), now - started, latencies)
 
 
 def writer_main(
@@ -126,6 +133,8 @@ class WriterPool:
         self.conns: list[Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.ops: dict[str, int] = dict.fromkeys(MODES, 0)
+        #: Seconds per operation of every recorded run, by (workload, mode).
+        self.latencies: dict[tuple[str, str], list[float]] = {}
         try:
             for i in range(processes):
                 parent, child = ctx.Pipe()
@@ -159,13 +168,20 @@ class WriterPool:
             replies.append(value)
         return replies
 
-    def run(self, mode: str, workload: str, seconds: float) -> float:
-        """Run every writer for ``seconds``; total operations per second."""
+    def run(self, mode: str, workload: str, seconds: float, record: bool = True) -> float:
+        """Run every writer for ``seconds``; total operations per second.
+
+        ``record`` keeps the latency of each operation (not for warm-up runs).
+        """
         run = Run(mode, workload, time.time() + START_DELAY, seconds)
         for conn in self.conns:
             conn.send(run)
         done: list[Done] = self._collect(START_DELAY + seconds + self.timeout)
         self.ops[mode] += sum(d.ops for d in done)
+        if record:
+            kept = self.latencies.setdefault((workload, mode), [])
+            for d in done:
+                kept.extend(d.latencies)
         return sum(d.ops / d.seconds for d in done)
 
     def close(self) -> None:
@@ -182,35 +198,125 @@ class WriterPool:
         self.conns, self.procs = [], []
 
 
-def measure(pool: WriterPool, rounds: int, seconds: float, warmup: float) -> dict:
+def percentile(values: list[float], share: float) -> float:
+    """The ``share`` (0..1) percentile of ``values``, nearest rank; 0.0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
+
+
+def measure(
+    pool: WriterPool,
+    rounds: int,
+    seconds: float,
+    warmup: float,
+    redis: RedisProbe | None = None,
+) -> dict:
     """Interleaved rounds of every (workload, mode); median ops/s and ratios per workload.
 
     A ratio is the median of the per-round ratios: the runs of one round are
-    adjacent in time, so they share whatever else the machine was doing.
+    adjacent in time, so they share whatever else the machine was doing. The
+    p50 and p99 latency of one operation are over every operation of every
+    writer in every round. With ``redis``, the Redis server's CPU time and
+    ``EVALSHA`` calls are sampled around each ``tally`` run.
     """
     for workload in WORKLOADS:
         for mode in MODES:
             if warmup > 0:
-                pool.run(mode, workload, warmup)
+                pool.run(mode, workload, warmup, record=False)
     rates: dict[str, dict[str, list[float]]] = {w: {m: [] for m in MODES} for w in WORKLOADS}
+    server: dict[str, RedisUsage] = {w: RedisUsage() for w in WORKLOADS}
     for r in range(rounds):
         order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
         for workload in WORKLOADS:
             for mode in order:
+                before = pool.ops[mode]
+                sampled = redis.sample() if redis is not None and mode == "tally" else None
                 rates[workload][mode].append(pool.run(mode, workload, seconds))
+                if sampled is not None and redis is not None:
+                    server[workload].add(sampled, redis.sample(), pool.ops[mode] - before)
     result: dict = {}
     for workload, by_mode in rates.items():
         medians = {mode: statistics.median(values) for mode, values in by_mode.items()}
         tally, durable = by_mode["tally"], by_mode["durable"]
+        latency: dict[str, float] = {}
+        for mode in MODES:
+            kept = pool.latencies.get((workload, mode), [])
+            latency[f"{mode}_p50_ms"] = round(percentile(kept, 0.50) * 1000, 3)
+            latency[f"{mode}_p99_ms"] = round(percentile(kept, 0.99) * 1000, 3)
         result[workload] = {
             **{f"{mode}_ops_per_s": round(v, 1) for mode, v in medians.items()},
             "tally_off": round(_ratio(tally, by_mode["off"]), 3),
             "tally_naive": round(_ratio(tally, by_mode["naive"]), 3),
             "durable_off": round(_ratio(durable, by_mode["off"]), 3),
             "durable_tally": round(_ratio(durable, tally), 3),
+            **latency,
+            **(server[workload].figures() if redis is not None else {}),
             "rounds": {mode: [round(v, 1) for v in values] for mode, values in by_mode.items()},
         }
     return result
+
+
+@dataclass(frozen=True)
+class RedisSample:
+    """Cumulative counters of a Redis server: CPU seconds and ``EVALSHA`` calls and time."""
+
+    cpu_s: float
+    evalsha_calls: int
+    evalsha_usec: int
+
+
+@dataclass
+class RedisUsage:
+    """Redis server usage summed over the ``tally`` runs of one workload."""
+
+    cpu_s: float = 0.0
+    evalsha_calls: int = 0
+    evalsha_usec: int = 0
+    pushes: int = 0
+
+    def add(self, before: RedisSample, after: RedisSample, commits: int) -> None:
+        self.cpu_s += after.cpu_s - before.cpu_s
+        self.evalsha_calls += after.evalsha_calls - before.evalsha_calls
+        self.evalsha_usec += after.evalsha_usec - before.evalsha_usec
+        self.pushes += commits
+
+    def figures(self) -> dict[str, float]:
+        """Redis CPU µs per counted insert (each one a commit that pushes), EVALSHA calls
+        per commit, and the server's µs per EVALSHA call."""
+        commits = max(self.pushes, 1)
+        return {
+            "redis_cpu_us_per_push": round(self.cpu_s * 1e6 / commits, 1),
+            "evalsha_per_commit": round(self.evalsha_calls / commits, 3),
+            "evalsha_usec_per_call": round(self.evalsha_usec / max(self.evalsha_calls, 1), 2),
+        }
+
+
+class RedisProbe:
+    """Reads ``INFO cpu`` and ``INFO commandstats`` of the buffer's Redis (every node of a
+    cluster, summed). The server's figures include any other client's work meanwhile."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def _nodes(self, section: str) -> list[dict]:
+        info = self.client.info(section)
+        if any(str(k).startswith(("used_cpu", "cmdstat_")) for k in info):
+            return [info]  # one Redis
+        return [v for v in info.values() if isinstance(v, dict)]  # a cluster: one per node
+
+    def sample(self) -> RedisSample:
+        cpu = sum(
+            float(n.get("used_cpu_sys", 0)) + float(n.get("used_cpu_user", 0))
+            for n in self._nodes("cpu")
+        )
+        calls = usec = 0
+        for node in self._nodes("commandstats"):
+            stats = node.get("cmdstat_evalsha") or {}
+            calls += int(stats.get("calls", 0))
+            usec += int(stats.get("usec", 0))
+        return RedisSample(cpu, calls, usec)
 
 
 def _ratio(numerators: list[float], denominators: list[float]) -> float:

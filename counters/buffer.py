@@ -103,45 +103,57 @@ redis.call('PEXPIRE', writer, ttl)
 return 0
 """
 
-# Return the batch in flight, or move up to ARGV[2] pending members (only members ARGV[4..]
-# when given) into a new batch ARGV[1] tagged with the shard's next sequence number
-# (epoch.py compares it with the DB's).
+# Forget in-flight batch ARGV[4] if it is still in flight (an ack, '' for none); then return
+# the batch in flight, or move up to ARGV[2] pending members, lowest scores first (only
+# members ARGV[5..] when given), into a new batch ARGV[1] tagged with the shard's next
+# sequence number (epoch.py compares it with the DB's). Scores are returned as integers.
+# Needs Redis 6.2 (ZRANGESTORE).
 MOVE_SCRIPT = """
 local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local since, seq = KEYS[5], KEYS[6]
-local batch_id, limit, now_ms = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local batch_id, limit, now_ms, acked = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local current = redis.call('HGET', batch, 'id')
+if current and current == acked then
+  redis.call('DEL', inflight, batch)
+  redis.call('INCR', gen)
+  current = false
+end
 if current then
   local info = redis.call('HMGET', batch, 'ts', 'seq')
-  return {'inflight', current, info[1], redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES'),
-          info[2] or '0'}
+  local flat = redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES')
+  for i = 2, #flat, 2 do flat[i] = tonumber(flat[i]) end
+  return {'inflight', current, info[1], flat, info[2] or '0'}
 end
-local popped = {}
-if #ARGV > 3 then
-  for i = 4, math.min(#ARGV, limit + 3) do
+local items = {}
+if #ARGV > 4 then
+  local chunk, found = {}, 0
+  for i = 5, math.min(#ARGV, limit + 4) do
     local score = redis.call('ZSCORE', pending, ARGV[i])
     if score then
       redis.call('ZREM', pending, ARGV[i])
-      popped[#popped + 1] = ARGV[i]
-      popped[#popped + 1] = score
+      found = found + 1
+      if tonumber(score) ~= 0 then
+        items[#items + 1] = ARGV[i]
+        items[#items + 1] = tonumber(score)
+        chunk[#chunk + 1] = score
+        chunk[#chunk + 1] = ARGV[i]
+        if #chunk >= 1000 then redis.call('ZADD', inflight, unpack(chunk)); chunk = {} end
+      end
     end
   end
+  if #chunk > 0 then redis.call('ZADD', inflight, unpack(chunk)) end
+  if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
+  if found == 0 then return {'empty'} end
 else
-  popped = redis.call('ZPOPMIN', pending, limit)
+  -- the lowest scores first, as ZPOPMIN; copied and removed in C, not member by member
+  local moved = redis.call('ZRANGESTORE', inflight, pending, 0, limit - 1)
+  if moved == 0 then return {'empty'} end
+  redis.call('ZREMRANGEBYRANK', pending, 0, limit - 1)
+  redis.call('ZREMRANGEBYSCORE', inflight, 0, 0)  -- zero sums are dropped, never applied
+  if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
+  items = redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES')
+  for i = 2, #items, 2 do items[i] = tonumber(items[i]) end
 end
-if redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
-if #popped == 0 then return {'empty'} end
-local items, chunk = {}, {}
-for i = 1, #popped, 2 do
-  if tonumber(popped[i + 1]) ~= 0 then
-    items[#items + 1] = popped[i]
-    items[#items + 1] = popped[i + 1]
-    chunk[#chunk + 1] = popped[i + 1]
-    chunk[#chunk + 1] = popped[i]
-    if #chunk >= 1000 then redis.call('ZADD', inflight, unpack(chunk)); chunk = {} end
-  end
-end
-if #chunk > 0 then redis.call('ZADD', inflight, unpack(chunk)) end
 local number = 0
 if #items > 0 then
   number = redis.call('INCR', seq)
@@ -486,24 +498,43 @@ class Buffer:
     def pending_count(self, shard: int) -> int:
         return int(self.client.zcard(self.key(shard, "pending")))
 
-    def move(self, shard: int, batch_id: str, limit: int, only: Iterable[str] = ()) -> Batch | None:
+    def move(
+        self,
+        shard: int,
+        batch_id: str,
+        limit: int,
+        only: Iterable[str] = (),
+        ack: str | None = None,
+    ) -> Batch | None:
         """Move up to ``limit`` pending members into a new in-flight batch.
 
         With ``only``, just those members that are pending are moved (members
         a narrowed batch sent back, see :meth:`narrow`). If a batch is already
         in flight it is returned instead (``recovered``); None means the
-        shard had nothing (of ``only``) pending.
+        shard had nothing (of ``only``) pending. ``ack`` first forgets that
+        batch if it is still in flight, as :meth:`ack` does, in the same
+        script: the flush acknowledges a batch with the move of the next.
         """
         now_ms = int(time.time() * 1000)
         keys = [*self._shard_keys(shard), self.key(shard, "seq")]
-        reply = self._move(keys=keys, args=[batch_id, limit, now_ms, *only])
+        reply = self._move(keys=keys, args=[batch_id, limit, now_ms, ack or "", *only])
         status = to_str(reply[0])
         if status == "empty":
             return None
         if status not in ("inflight", "moved"):
             raise UnexpectedScriptReply("MOVE_SCRIPT", reply)
         flat = reply[3]
-        items = {to_str(flat[i]): _int(flat[i + 1]) for i in range(0, len(flat), 2)}
+        members = flat[0::2]
+        scores = flat[1::2]
+        items = dict(
+            zip(
+                map(bytes.decode, members)
+                if members and isinstance(members[0], bytes)
+                else map(to_str, members),
+                scores if all(type(v) is int for v in scores) else map(_int, scores),
+                strict=True,
+            )
+        )
         return Batch(
             shard=shard,
             batch_id=to_str(reply[1]),

@@ -42,6 +42,7 @@ from django.db import (
     connections,
     transaction,
 )
+from django.db.models.sql import InsertQuery
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -51,8 +52,8 @@ from .apply import apply_deltas
 from .buffer import Batch, Buffer
 from .epoch import check_epoch, record_applied, record_loss
 from .lease import Lease
-from .models import FlushBatch
-from .utils import capped, first_line
+from .models import BufferEpoch, FlushBatch
+from .utils import capped, column, first_line, model_field
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,38 @@ class BatchLost(Exception):
     """The batch in flight is no longer the one this flusher holds (its lease expired)."""
 
 
+def record_batch(batch: Batch, using: str) -> None:
+    """Insert the ledger row of ``batch`` and raise the shard's applied sequence to its own.
+
+    Call inside the batch's transaction. On PostgreSQL both are one statement
+    (one round trip per batch less); elsewhere two.
+    """
+    row = FlushBatch(
+        batch_id=batch.batch_id,
+        shard=batch.shard,
+        keys=len(batch.items),
+        deltas=sum(abs(d) for d in batch.items.values()),
+    )
+    conn = connections[using]
+    if conn.vendor != "postgresql" or not (batch.seq and batch.prefix):
+        row.save(using=using, force_insert=True)
+        record_applied(batch, using)
+        return
+    query = InsertQuery(FlushBatch)
+    query.insert_values(FlushBatch._meta.concrete_fields, [row])
+    [(insert, params)] = query.get_compiler(using=using).as_sql()
+    qn = conn.ops.quote_name
+    prefix, shard, seq = (
+        qn(column(model_field(BufferEpoch, f))) for f in ("prefix", "shard", "seq")
+    )
+    with conn.cursor() as cursor:
+        cursor.execute(
+            f"WITH epoch AS (UPDATE {qn(BufferEpoch._meta.db_table)} "
+            f"SET {seq} = GREATEST({seq}, %s) WHERE {prefix} = %s AND {shard} = %s) {insert}",
+            [batch.seq, batch.prefix, batch.shard, *params],
+        )
+
+
 def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
     """Apply ``batch`` unless the ledger says it already was. Raises on DB errors."""
     ledger = FlushBatch.objects.using(using)
@@ -164,14 +197,8 @@ def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
         with transaction.atomic(using=using):
             # The ledger row goes first: a second applier of the same batch
             # waits on this primary key and then fails instead of adding twice.
-            ledger.create(
-                batch_id=batch.batch_id,
-                shard=batch.shard,
-                keys=len(batch.items),
-                deltas=sum(abs(d) for d in batch.items.values()),
-            )
+            record_batch(batch, using)
             applied = apply_deltas(batch.items, using)
-            record_applied(batch, using)
             if applied.dropped:
                 ledger.filter(pk=batch.batch_id).update(
                     dropped=applied.dropped, keys=applied.keys, deltas=applied.deltas
@@ -213,65 +240,79 @@ def flush_shard(
         # Members narrowed batches sent back to pending: each group is moved by itself
         # next, so that a poison delta is found in halvings, not mixed with new deltas.
         returned: list[list[str]] = []
-        while True:
-            if time.monotonic() >= deadline:
-                result.incomplete = True
-                return
-            if lease.remaining() < lease_timeout / 2 and not lease.extend():
-                logger.warning("lost the lease of shard %s; stopping this shard", shard)
-                return
-            if narrowed is not None:
-                batch = narrowed
-            elif returned:
-                batch = buffer.move(shard, new_batch_id(), batch_size, only=returned.pop())
-                if batch is None:
-                    continue
-            else:
-                batch = buffer.move(shard, new_batch_id(), batch_size)
-                if batch is None:
+        # The batch applied last: acknowledged by the next move, or at the end (below).
+        unacked: str | None = None
+        failed = False
+        try:
+            while True:
+                if time.monotonic() >= deadline:
+                    result.incomplete = True
                     return
-            if narrowed is not None:
-                narrowed = None
-            elif batch.recovered:
-                result.recovered += 1
-                logger.info("recovering in-flight batch %s of shard %s", batch.batch_id, shard)
-            elif batch.seq and batch.seq <= applied_seq and shard not in result.lost_shards:
-                # Redis went back in time since this flush checked it (a failover mid-flush).
-                record_loss(buffer, shard, using, batch.seq)
-                result.lost_shards.append(shard)
-            if batch.items:
-                try:
-                    apply_batch(batch, using, result)
-                except SYSTEMIC:
-                    raise  # the database, not the deltas: the batch stays in flight as it is
-                except Exception as exc:
-                    if not connections[using].is_usable():
-                        raise
-                    try:
-                        narrowed = isolate(buffer, batch, exc, result)
-                    except BatchLost:
-                        logger.warning(
-                            "batch %s of shard %s is no longer in flight; stopping this shard",
-                            batch.batch_id,
-                            shard,
-                        )
+                if lease.remaining() < lease_timeout / 2 and not lease.extend():
+                    logger.warning("lost the lease of shard %s; stopping this shard", shard)
+                    return
+                if narrowed is not None:
+                    batch = narrowed
+                elif returned:
+                    batch = buffer.move(
+                        shard, new_batch_id(), batch_size, only=returned.pop(), ack=unacked
+                    )
+                    unacked = None
+                    if batch is None:
+                        continue
+                else:
+                    batch = buffer.move(shard, new_batch_id(), batch_size, ack=unacked)
+                    unacked = None
+                    if batch is None:
                         return
-                    if narrowed is not None:
-                        returned.append(sorted(set(batch.items) - set(narrowed.items)))
-                        if batch.recovered:
-                            # Members it sent back were not counted when this run began.
-                            target += len(batch.items) - len(narrowed.items)
-                    elif not batch.recovered:
-                        moved += len(batch.items)  # quarantined: gone from Redis
-                        if moved >= target and not returned:
+                if narrowed is not None:
+                    narrowed = None
+                elif batch.recovered:
+                    result.recovered += 1
+                    logger.info("recovering in-flight batch %s of shard %s", batch.batch_id, shard)
+                elif batch.seq and batch.seq <= applied_seq and shard not in result.lost_shards:
+                    # Redis went back in time since this flush checked it (a failover mid-flush).
+                    record_loss(buffer, shard, using, batch.seq)
+                    result.lost_shards.append(shard)
+                if batch.items:
+                    try:
+                        apply_batch(batch, using, result)
+                    except SYSTEMIC:
+                        raise  # the database, not the deltas: the batch stays in flight as it is
+                    except Exception as exc:
+                        if not connections[using].is_usable():
+                            raise
+                        try:
+                            narrowed = isolate(buffer, batch, exc, result)
+                        except BatchLost:
+                            logger.warning(
+                                "batch %s of shard %s is no longer in flight; stopping this shard",
+                                batch.batch_id,
+                                shard,
+                            )
                             return
-                    continue
-                applied_seq = max(applied_seq, batch.seq)
-            buffer.ack(shard, batch.batch_id)
-            if not batch.recovered:
-                moved += len(batch.items)
-                if moved >= target and not returned:
-                    return
+                        if narrowed is not None:
+                            returned.append(sorted(set(batch.items) - set(narrowed.items)))
+                            if batch.recovered:
+                                # Members it sent back were not counted when this run began.
+                                target += len(batch.items) - len(narrowed.items)
+                        elif not batch.recovered:
+                            moved += len(batch.items)  # quarantined: gone from Redis
+                            if moved >= target and not returned:
+                                return
+                        continue
+                    applied_seq = max(applied_seq, batch.seq)
+                unacked = batch.batch_id
+                if not batch.recovered:
+                    moved += len(batch.items)
+                    if moved >= target and not returned:
+                        return
+        except BaseException:
+            failed = True  # unacked stays in flight: the next flush finds it in the ledger
+            raise
+        finally:
+            if unacked is not None and not failed:
+                buffer.ack(shard, unacked)
 
 
 def isolate(buffer: Buffer, batch: Batch, exc: Exception, result: FlushResult) -> Batch | None:
@@ -351,7 +392,7 @@ def flush(
     buffer: Buffer,
     *,
     using: str = DEFAULT_DB_ALIAS,
-    batch_size: int = 1000,
+    batch_size: int = 5000,
     time_budget: float = 30.0,
     lease_timeout: float = 30.0,
     retention: int | None = None,

@@ -35,9 +35,22 @@ FIGURES = [
         for w in WORKLOADS
         for ratio in ("tally_off", "tally_naive", "durable_off", "durable_tally")
     ],
+    *[
+        ("writes", w, f"{m}_{p}_ms")
+        for w in WORKLOADS
+        for m in ("off", "naive", "tally", "durable")
+        for p in ("p50", "p99")
+    ],
+    *[
+        ("writes", w, f)
+        for w in WORKLOADS
+        for f in ("redis_cpu_us_per_push", "evalsha_per_commit", "evalsha_usec_per_call")
+    ],
     ("flush", "flush_keys_per_s"),
     ("flush", "raw_keys_per_s"),
     ("flush", "flush_raw"),
+    ("flush", "raw_sequential_keys_per_s"),
+    ("flush", "flush_raw_sequential"),
     *[("parallel", "workers", n, "keys_per_s") for n in ("1", "2", "4")],
     *[("parallel", "speedup", n) for n in ("1", "2", "4")],
     ("reads", "get_count_ms"),
@@ -119,6 +132,16 @@ def test_bench_leaves_no_data_behind(quick_run):
     ("args", "message"),
     [
         pytest.param(("--processes", "0"), "--processes must be at least 1, got 0", id="processes"),
+        pytest.param(
+            ("--processes", "2,x"),
+            "--processes takes a number or comma-separated numbers of at least 1, got '2,x'",
+            id="processes-list",
+        ),
+        pytest.param(
+            ("--processes", "2,0"),
+            "--processes takes a number or comma-separated numbers of at least 1, got '2,0'",
+            id="processes-zero-in-list",
+        ),
         pytest.param(("--seconds", "0"), "--seconds must be greater than 0, got 0.0", id="seconds"),
         pytest.param(("--rounds", "-2"), "--rounds must be at least 1, got -2", id="rounds"),
         pytest.param(
@@ -222,3 +245,55 @@ def test_idempotency_section_old_markers_grow_and_new_marks_stay_flat(idempotenc
     assert idem["old_growth"] == 3.0
     assert runs["4500"]["new"]["idempotency_keys"] <= shards * threads
     assert not list(counters.get_client().scan_iter(match=f"{data['key_prefix']}:*"))
+
+
+@pytest.fixture(scope="module")
+def sweep_run(django_db_setup, django_db_blocker) -> tuple[dict, str]:
+    """A quick run of the writes alone at 1 and 2 writers: its JSON and its table."""
+    with django_db_blocker.unblock():
+        env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONUNBUFFERED": "1"}
+        args = ("counters_bench", "--quick", "--sections", "writes", "--processes", "2,1")
+        code, out, err = run_manage(*args, "--json", env=env, timeout=280)
+        assert code == 0, err
+        code, table, err = run_manage(*args, env=env, timeout=280)
+        assert code == 0, err
+    return json.loads(out), table
+
+
+@pytest.mark.redis
+def test_processes_sweep_measures_every_count_in_one_run(sweep_run):
+    data, _ = sweep_run
+    writes = data["writes"]
+    assert data["config"]["process_counts"] == [1, 2]
+    assert data["config"]["processes"] == 2
+    assert sorted(writes["by_processes"]) == ["1", "2"]
+    for count, result in writes["by_processes"].items():
+        assert result["processes"] == int(count)
+        for workload in WORKLOADS:
+            for mode in ("off", "naive", "tally"):
+                figures = result[workload]
+                assert figures[f"{mode}_ops_per_s"] > 0
+                assert 0 < figures[f"{mode}_p50_ms"] <= figures[f"{mode}_p99_ms"]
+            assert figures["evalsha_per_commit"] > 0
+    # The top level is the largest count (what the targets read); every insert was counted once.
+    assert writes["hot"] == writes["by_processes"]["2"]["hot"]
+    assert writes["tally_deltas_match"] is True
+
+
+@pytest.mark.redis
+def test_processes_sweep_prints_one_table_with_a_row_per_count_and_workload(sweep_run):
+    _, table = sweep_run
+    lines = table.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("procs"))
+    assert "tally/off" in lines[header] and "tally p50/p99" in lines[header]
+    rows = [line.split()[:2] for line in lines[header + 1 : header + 5]]
+    assert rows == [["1", "spread"], ["1", "hot"], ["2", "spread"], ["2", "hot"]]
+
+
+def test_percentile_is_the_nearest_rank():
+    from benchmarks.writers import percentile
+
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 0.5), percentile(values, 0.99)) == (50.0, 99.0)
+    assert percentile([3.0], 0.99) == 3.0
+    assert percentile([], 0.5) == 0.0

@@ -6,11 +6,12 @@ it nothing is changed. ``TALLY_TEST_FAULT_LOG`` is a file that gets one JSON
 line per faulted batch: ``{"pid", "shard", "batch", "event", "at"}``.
 
 - ``slow-apply:<s>``: every batch sleeps ``s`` seconds inside its DB
-  transaction, after its UPDATEs (events ``apply-start`` and ``apply-end``).
+  transaction, after its ledger row (events ``apply-start`` and ``apply-end``).
 - ``hang-apply``: the first batch that any worker of the test applies
   (decided by a Redis ``SET NX`` under the test's key prefix) hangs inside its
   DB transaction (event ``hang``); the test kills the worker.
-- ``hang-ack``: the same after COMMIT, before the batch is acknowledged in Redis.
+- ``hang-ack``: the same after COMMIT, before the batch is acknowledged in Redis
+  (by ``Buffer.ack``, or by the move of the next batch).
 - ``slow-first-apply:<s>``: the first batch applied sleeps ``s`` seconds
   inside its transaction (``apply-start``, ``apply-end``), the others do not.
 
@@ -65,28 +66,28 @@ def _install() -> None:
     name, _, arg = fault.partition(":")
     if not name:
         return
-    record_applied = flusher.record_applied  # inside the batch's transaction, after its UPDATEs
+    record_batch = flusher.record_batch  # inside the batch's transaction: its ledger row
 
     if name in ("slow-apply", "slow-first-apply"):
         seconds = float(arg)
 
         def slow(batch, using):
-            record_applied(batch, using)
+            record_batch(batch, using)
             if name == "slow-apply" or _first():
                 _log("apply-start", batch)
                 time.sleep(seconds)
                 _log("apply-end", batch)
 
-        flusher.record_applied = slow
+        flusher.record_batch = slow
     elif name == "hang-apply":
 
         def hang(batch, using):
-            record_applied(batch, using)
+            record_batch(batch, using)
             if _first():
                 _log("hang", batch)
                 time.sleep(3600)
 
-        flusher.record_applied = hang
+        flusher.record_batch = hang
     elif name == "hang-ack":
         ack = Buffer.ack
 
@@ -96,7 +97,16 @@ def _install() -> None:
                 time.sleep(3600)
             return ack(self, shard, batch_id)
 
+        move = Buffer.move
+
+        def hang_move(self, shard, batch_id, limit, only=(), ack=None):
+            if ack is not None and _first():
+                _log("hang", type("B", (), {"shard": shard, "batch_id": ack}))
+                time.sleep(3600)
+            return move(self, shard, batch_id, limit, only=only, ack=ack)
+
         Buffer.ack = hang_ack  # type: ignore[method-assign]
+        Buffer.move = hang_move  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown TALLY_TEST_FAULT {fault!r}")
 

@@ -57,9 +57,13 @@ def killed(message: str) -> RedisConnectionError:
 
 
 CRASHES = [
-    pytest.param(
-        "ack",
-        once(Buffer.ack, lambda shard, batch_id: "/" in batch_id, killed("after COMMIT")),
+    pytest.param(  # the flush acknowledges a batch with the move of the next one
+        "move",
+        once(
+            Buffer.move,
+            lambda *args, ack=None, **kwargs: ack is not None and "/" in ack,
+            killed("after COMMIT"),
+        ),
         BufferUnavailable,
         id="after-a-narrowed-batch-committed",
     ),
@@ -100,7 +104,7 @@ def test_a_flusher_dying_mid_isolation_applies_nothing_twice(users, method, dyin
     batch_id = sole_inflight()
     assert batch_id is not None, "the batch it worked on stays in flight"
     applied_before = set(FlushBatch.objects.values_list("batch_id", flat=True))
-    if method == "ack":
+    if method == "move":
         assert batch_id in applied_before  # committed, not acknowledged
     else:
         assert batch_id not in applied_before
@@ -108,7 +112,7 @@ def test_a_flusher_dying_mid_isolation_applies_nothing_twice(users, method, dyin
     assert [UnreadCounter.objects.get_count(u) for u in users] == [truth(u) for u in users]
     result = counters.flush()
     assert result.recovered == 1
-    assert result.already_applied == (1 if method == "ack" else 0)
+    assert result.already_applied == (1 if method == "move" else 0)
     assert result.quarantined == 1
     assert applied_before <= set(FlushBatch.objects.values_list("batch_id", flat=True))
     check_everything(users)

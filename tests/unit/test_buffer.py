@@ -353,3 +353,29 @@ def test_fence_reports_whether_the_push_had_landed(buf, client):
     assert buf.push({"c:1": 5}, "never-sent") == set()  # fenced: it can no longer apply
     assert pending(client, 0) == {"c:1": 1}
     assert buf.fence(["c:1"], "never-sent") == set()  # fencing twice is harmless
+
+
+def test_a_move_acknowledges_the_batch_it_names_then_moves_the_next(buf, client):
+    buf.push({"c:1": 5}, "p1")
+    buf.move(0, "b1", 10)
+    buf.push({"c:3": 2}, "p2")
+    wrong = buf.move(0, "b2", 10, ack="other")  # not the batch in flight: nothing is dropped
+    assert wrong is not None
+    assert (wrong.batch_id, wrong.recovered, wrong.items) == ("b1", True, {"c:1": 5})
+    batch = buf.move(0, "b2", 10, ack="b1")
+    assert batch is not None
+    assert (batch.batch_id, batch.recovered, batch.items) == ("b2", False, {"c:3": 2})
+    assert buf.move(0, "b3", 10, ack="b2") is None  # acknowledged, and nothing pending
+    assert buf.inflight_ids() == {}
+    assert client.exists("t:{s0}:inflight", "t:{s0}:batch") == 0
+
+
+def test_a_move_takes_the_lowest_scores_first_and_drops_zero_sums(client):
+    buf = Buffer(client, PREFIX, shards=1)
+    buf.push({"c:1": 3, "c:2": -2, "c:3": 1, "c:4": 7}, "p1")
+    client.zadd("t:{s0}:pending", {"c:5": 0})  # a zero sum left behind: never applied
+    batch = buf.move(0, "b1", 3)
+    assert batch is not None
+    assert batch.items == {"c:2": -2, "c:3": 1}  # c:5 (0) was among the 3 lowest, dropped
+    assert all(type(v) is int for v in batch.items.values())
+    assert client.zrange("t:{s0}:pending", 0, -1) == [b"c:1", b"c:4"]

@@ -29,7 +29,10 @@ class Command(BaseCommand):
         parser.add_argument("--quick", action="store_true", help="Small sizes (CI).")
         parser.add_argument("--json", action="store_true", help="Print the results as JSON.")
         parser.add_argument(
-            "--processes", type=int, default=None, help="Writer processes (default 8)."
+            "--processes",
+            default=None,
+            help="Writer processes (default 8), or comma-separated counts (2,4,8): the writes "
+            "are measured at each, in one run, and shown in one table.",
         )
         parser.add_argument(
             "--seconds", type=float, default=None, help="Length of one measured write run."
@@ -69,7 +72,12 @@ class Command(BaseCommand):
 
     def _config(self, options: dict[str, Any]) -> BenchConfig:
         overrides: dict[str, Any] = {}
-        for name, minimum in (("processes", 1), ("seconds", 0), ("rounds", 1)):
+        if options["processes"] is not None:
+            counts = self._processes(str(options["processes"]))
+            overrides["processes"] = counts[-1]
+            if len(counts) > 1:
+                overrides["process_counts"] = counts
+        for name, minimum in (("seconds", 0), ("rounds", 1)):
             value = options[name]
             if value is None:
                 continue
@@ -86,6 +94,20 @@ class Command(BaseCommand):
         if options["quick"]:
             return BenchConfig.quick_run(**overrides)
         return BenchConfig.full(**overrides)
+
+    def _processes(self, raw: str) -> tuple[int, ...]:
+        parts = [p.strip() for p in raw.split(",")]
+        try:
+            counts = [int(p) for p in parts]
+        except ValueError:
+            counts = []
+        if len(counts) == 1 and counts[0] < 1:
+            raise CommandError(f"--processes must be at least 1, got {counts[0]}")
+        if not counts or min(counts) < 1:
+            raise CommandError(
+                f"--processes takes a number or comma-separated numbers of at least 1, got {raw!r}"
+            )
+        return tuple(sorted(set(counts)))
 
     def _workers(self, raw: str) -> tuple[int, ...]:
         try:
