@@ -18,7 +18,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections, transaction
 from redis import RedisError
 
-from . import metrics, transactions
+from . import metrics, sender, transactions
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import NotConnected, ScoreLimitExceeded, StalePush
@@ -68,11 +68,20 @@ def may_have_left(exc: BaseException) -> bool:
 
 
 def send(deltas: Mapping[str, int], using: str) -> None:
+    """Hand committed deltas on: to this process's sender when it is on, else push them now.
+
+    Never raises: it runs after COMMIT, where the request has already succeeded.
+    """
+    if sender.enabled() and sender.enqueue(deltas, using, push_now):
+        return
+    push_now(deltas, using)
+
+
+def push_now(deltas: Mapping[str, int], using: str) -> None:
     """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
 
     Deltas that a Redis score cannot sum exactly (2**53 and beyond) are
-    applied to the DB directly as well. Never raises: it runs after COMMIT,
-    where the request has already succeeded.
+    applied to the DB directly as well.
     """
     push_id = uuid.uuid4().hex
     buffer = get_buffer(using)
