@@ -158,6 +158,28 @@ def enabled() -> bool:
     return conf.send_delay() > 0
 
 
+def describe() -> dict[str, object]:
+    """The write path's mode, for ``counters_status``: what it trades, if anything."""
+    if not enabled():
+        return {
+            "mode": "per-commit",
+            "send_delay_ms": 0,
+            "send_batch": None,
+            "trades": None,
+        }
+    delay_ms = conf.get("COUNTERS_SEND_DELAY_MS")
+    return {
+        "mode": "sender",
+        "send_delay_ms": delay_ms,
+        "send_batch": conf.send_batch(),
+        "trades": (
+            f"other processes see a commit up to {delay_ms:g} ms later; a process killed "
+            f"with SIGKILL loses up to {delay_ms:g} ms of its commits until the audit "
+            "repairs them"
+        ),
+    }
+
+
 def enqueue(deltas: Mapping[str, int], using: str, deliver: Deliver) -> bool:
     """Queue committed deltas for this process's sender; False if the caller must send them."""
     sender = _senders.get(using)

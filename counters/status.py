@@ -10,7 +10,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Max, Sum
 
-from . import quarantine
+from . import quarantine, sender
 from .audit import audit_status
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
@@ -165,6 +165,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
             "counters": quarantine.by_counter(quarantined),
         },
         "audit": audit_status(using),
+        "write_path": sender.describe(),
     }
 
 
@@ -184,4 +185,5 @@ def gather_without_redis(
         "ledger": ledger_status(using),
         "epoch": epoch,
         "audit": audit_status(using),
+        "write_path": sender.describe(),
     }

@@ -177,3 +177,31 @@ def test_a_killed_process_loses_its_queue_and_the_audit_repairs_it(make_user):
     result = audit(names=["unread"], confirm_delay=0.05)
     assert result.repaired == 1
     assert_exact(alice)
+
+
+def test_counters_status_says_what_the_write_path_trades(settings):
+    import json
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    def status() -> tuple[str, dict]:
+        text, data = StringIO(), StringIO()
+        call_command("counters_status", stdout=text)
+        call_command("counters_status", "--json", stdout=data)
+        return text.getvalue(), json.loads(data.getvalue())["write_path"]
+
+    text, write_path = status()
+    assert "write path: each COMMIT pushes its deltas before returning" in text
+    assert write_path == {
+        "mode": "per-commit",
+        "send_delay_ms": 0,
+        "send_batch": None,
+        "trades": None,
+    }
+    settings.COUNTERS_SEND_DELAY_MS = 5
+    text, write_path = status()
+    assert write_path["mode"] == "sender"
+    assert write_path["send_delay_ms"] == 5
+    assert "write path: per-process sender, every 5 ms or 500 commits; trades: other " in text
+    assert "a process killed with SIGKILL loses up to 5 ms of its commits" in text
