@@ -20,3 +20,10 @@ def child_exit(server: Any, worker: Any) -> None:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
+
+
+def worker_exit(server: Any, worker: Any) -> None:
+    """A worker is exiting: push the deltas its counters sender still holds."""
+    from counters import sender
+
+    sender.drain()

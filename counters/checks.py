@@ -19,6 +19,7 @@ POSITIVE = {
     "COUNTERS_FLUSH_PARALLELISM": "counters.E017",
     "COUNTERS_AUDIT_SLICE": "counters.E020",
     "COUNTERS_AUDIT_RETENTION": "counters.E021",
+    "COUNTERS_SEND_BATCH": "counters.E030",
 }
 
 
@@ -39,6 +40,7 @@ def check_settings(app_configs=None, **kwargs):
             )
     errors += check_audit_interval()
     errors += check_durable()
+    errors += check_send_delay()
     prefix = conf.get("COUNTERS_KEY_PREFIX")
     if not prefix or any(c in prefix for c in "{} "):
         errors.append(
@@ -141,6 +143,25 @@ def check_durable() -> list[CheckMessage]:
             )
         )
     return errors
+
+
+def check_send_delay() -> list[CheckMessage]:
+    """COUNTERS_SEND_DELAY_MS: 0 (every COMMIT pushes) up to a second."""
+    name = "COUNTERS_SEND_DELAY_MS"
+    try:
+        value = conf.get(name)
+    except (TypeError, ValueError) as exc:
+        return [Error(f"{name} is not a valid number: {exc}", id="counters.E029")]
+    if value is not None and not (math.isfinite(value) and 0 <= value <= 1000):
+        return [
+            Error(
+                f"{name} must be 0 (off) or milliseconds up to 1000 (got {value!r}).",
+                hint="A process killed while deltas wait loses them until the audit repairs "
+                "them: keep the delay short.",
+                id="counters.E029",
+            )
+        ]
+    return []
 
 
 @register("counters", deploy=True)

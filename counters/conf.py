@@ -120,6 +120,20 @@ SETTINGS: dict[str, Setting] = {
             "off, the view answers 404.",
         ),
         Setting(
+            "COUNTERS_SEND_DELAY_MS",
+            float,
+            0.0,
+            "Milliseconds committed deltas may wait in this process's queue before a "
+            "background thread pushes them, many commits in one round trip (counters.sender). "
+            "0: every COMMIT pushes its own deltas before returning.",
+        ),
+        Setting(
+            "COUNTERS_SEND_BATCH",
+            int,
+            500,
+            "With COUNTERS_SEND_DELAY_MS, commits that make the sender push at once.",
+        ),
+        Setting(
             "COUNTERS_AUDIT_INTERVAL",
             int,
             10,
@@ -246,6 +260,15 @@ def databases() -> list[str] | None:
 
 def metrics_enabled() -> bool:
     return get("COUNTERS_METRICS")
+
+
+def send_delay() -> float:
+    """Seconds committed deltas may wait for the per-process sender; 0 when it is off."""
+    return (get("COUNTERS_SEND_DELAY_MS") or 0.0) / 1000
+
+
+def send_batch() -> int:
+    return get("COUNTERS_SEND_BATCH")
 
 
 def audit_interval() -> int:

@@ -18,7 +18,7 @@ from django.db import DatabaseError
 from redis import RedisError
 from redis.exceptions import OutOfMemoryError
 
-from . import conf, metrics, quarantine
+from . import conf, metrics, quarantine, sender
 from .buffer import Buffer
 from .client import databases, get_buffer
 from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning
@@ -56,6 +56,7 @@ def flush(
     """
     from .flusher import flush as run_flush
 
+    sender.push_queued(using)  # what this process committed is flushed too
     if using is None:
         results = flush_databases(
             time_budget=time_budget,

@@ -25,7 +25,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from redis import RedisError
 
-from . import conf, repair, transactions
+from . import conf, repair, sender, transactions
 from .buffer import Buffer, Snapshot
 from .client import get_buffer
 from .exceptions import BufferUnavailable, InconsistentRead
@@ -70,7 +70,12 @@ def _exact_values(name: str, keys: Iterable[Any], using: str) -> dict[Any, int]:
         spec = get_spec(name)
         normal = {key: spec.normalize(key) for key in keys}
         stored = _read_rows(spec, list(dict.fromkeys(normal.values())), set(), using).stored
-        own = transactions.unsent([spec.member(v) for v in normal.values()], using)
+        members = [spec.member(v) for v in normal.values()]
+        own = transactions.unsent(members, using)
+        with sender.holding(using) as queue:
+            if queue is not None:  # written to the DB directly once the sender fails too
+                for member, delta in queue.queued(members).items():
+                    own[member] = own.get(member, 0) + delta
         return {
             key: stored.get(value, 0) + own.get(spec.member(value), 0)
             for key, value in normal.items()
@@ -99,11 +104,15 @@ def get_parts(
     normal = {key: spec.normalize(key) for key in keys}
     members = {spec.member(value): value for value in normal.values()}
     buffer = get_buffer(using)
-    try:
-        snap, rows = _consistent_reading(buffer, spec, members, using)
-    except RedisError as exc:
-        raise BufferUnavailable(conf.redis_url(), exc) from exc
     own = transactions.unsent(members, using)
+    with sender.holding(using) as queue:
+        try:
+            snap, rows = _consistent_reading(buffer, spec, members, using)
+        except RedisError as exc:
+            raise BufferUnavailable(conf.redis_url(), exc) from exc
+        if queue is not None:
+            for member, delta in queue.queued(members).items():
+                own[member] = own.get(member, 0) + delta
     twice = _counted_twice(buffer, snap, rows)
     parts = {}
     for key, value in normal.items():

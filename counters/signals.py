@@ -26,7 +26,7 @@ def connect_signals(app_config) -> None:
     """Connect the app's receivers (called once from ``CountersConfig.ready()``)."""
     from celery.signals import worker_process_shutdown, worker_shutdown
 
-    from . import counting, metrics, schedule, transactions
+    from . import counting, metrics, schedule, sender, transactions
 
     post_migrate.connect(
         schedule.ensure_periodic_task_after_migrate,
@@ -47,6 +47,9 @@ def connect_signals(app_config) -> None:
     # A Celery process that ends drops its live Prometheus gauges (multiprocess mode).
     worker_process_shutdown.connect(metrics.child_exited, dispatch_uid="counters.metrics.child")
     worker_shutdown.connect(metrics.worker_exited, dispatch_uid="counters.metrics.worker")
+    # Queued deltas are pushed before a Celery process ends (a prefork child skips atexit).
+    worker_process_shutdown.connect(sender.drain_on_signal, dispatch_uid="counters.sender.child")
+    worker_shutdown.connect(sender.drain_on_signal, dispatch_uid="counters.sender.worker")
 
 
 def connect_model(model: type[models.Model]) -> None:

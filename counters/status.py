@@ -10,7 +10,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Max, Sum
 
-from . import quarantine
+from . import quarantine, sender
 from .audit import audit_status
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
@@ -167,6 +167,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
         },
         "audit": audit_status(using),
         "outbox": outbox_summary(using),
+        "write_path": sender.describe(),
     }
 
 
@@ -187,4 +188,5 @@ def gather_without_redis(
         "epoch": epoch,
         "audit": audit_status(using),
         "outbox": outbox_summary(using),
+        "write_path": sender.describe(),
     }

@@ -18,7 +18,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connections, transaction
 from redis import RedisError
 
-from . import metrics, transactions, writers
+from . import metrics, sender, transactions, writers
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import NotConnected, ScoreLimitExceeded, StalePush
@@ -78,6 +78,26 @@ def new_push_id() -> str:
 
 
 def send(
+    deltas: Mapping[str, int],
+    using: str,
+    *,
+    push_id: PushId | str | None = None,
+    outbox: bool = False,
+) -> None:
+    """Hand committed deltas on: to this process's sender when it is on, else push them now.
+
+    Never raises: it runs after COMMIT, where the request has already
+    succeeded. Deltas with a push id of their own (an outbox row's, in durable
+    mode) are always pushed now, under that id: a later push of the row by a
+    flush must find it applied.
+    """
+    queued = push_id is None and not outbox and sender.enabled()
+    if queued and sender.enqueue(deltas, using, push_now):
+        return
+    push_now(deltas, using, push_id=push_id, outbox=outbox)
+
+
+def push_now(
     deltas: Mapping[str, int],
     using: str,
     *,

@@ -22,7 +22,7 @@ from django.db import connection
 
 import counters
 from counters import client as client_module
-from counters import conf
+from counters import conf, sender
 from counters.cluster import ClusterClient
 from tests.redis_cluster import RedisCluster as RedisClusterServer
 
@@ -54,6 +54,7 @@ def counters_prefix(settings) -> Iterator[str]:
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     settings.COUNTERS_KEY_PREFIX = prefix
     yield prefix
+    sender.reset()  # deltas a per-process sender still holds go to this test's prefix
     key = (conf.redis_url(), conf.socket_timeout(), conf.redis_cluster())
     client = client_module._clients.get(key)
     if client is not None and not isinstance(client, fakeredis.FakeRedis):

@@ -43,6 +43,8 @@ DEFAULTS = {
     "COUNTERS_AUDIT_RETENTION": 7_776_000,
     "COUNTERS_DURABLE": False,
     "COUNTERS_OUTBOX_GRACE": 30.0,
+    "COUNTERS_SEND_DELAY_MS": 0.0,
+    "COUNTERS_SEND_BATCH": 500,
 }
 
 
@@ -215,6 +217,7 @@ def test_every_positive_check_has_its_own_id():
         "counters.E017",
         "counters.E020",
         "counters.E021",
+        "counters.E030",
     ]
     assert set(POSITIVE) == set(conf.SETTINGS) - {
         "COUNTERS_REDIS_URL",
@@ -226,6 +229,7 @@ def test_every_positive_check_has_its_own_id():
         "COUNTERS_AUDIT_INTERVAL",  # 0 is allowed: E022
         "COUNTERS_DURABLE",  # a boolean: E023
         "COUNTERS_OUTBOX_GRACE",  # positive, and below the push id lifetime: E024, E025
+        "COUNTERS_SEND_DELAY_MS",  # 0 is allowed: E029
     }
 
 
@@ -253,6 +257,21 @@ def test_audit_interval_that_is_no_number_is_e022(monkeypatch):
         errors = check_settings()
     assert [e.id for e in errors] == ["counters.E022"]
     assert errors[0].msg.startswith("COUNTERS_AUDIT_INTERVAL is not a valid number: ")
+
+
+@pytest.mark.parametrize("value", [0, 0.5, 5, 1000])
+def test_send_delay_may_be_0_for_off_up_to_a_second(settings, value):
+    settings.COUNTERS_SEND_DELAY_MS = value
+    assert check_settings() == []
+    assert conf.send_delay() == value / 1000
+
+
+@pytest.mark.parametrize("value", [-1, 1001, float("inf"), "soon"])
+def test_send_delay_out_of_range_is_e029(settings, value):
+    settings.COUNTERS_SEND_DELAY_MS = value
+    errors = check_settings()
+    assert [e.id for e in errors] == ["counters.E029"]
+    assert errors[0].msg.startswith("COUNTERS_SEND_DELAY_MS ")
 
 
 def test_several_errors_are_reported_together(settings):

@@ -69,6 +69,7 @@ class Command(OneLineFailures):
             f"last {_fmt(epoch['last_loss_at'])}); "
             f"keys queued for repair: {status['repair_queue']}",
         ]
+        lines.append(self.write_path_line(status["write_path"]))
         lines += self.rebuild_lines(epoch)
         last = status["last_flush"]
         if last is None:
@@ -115,6 +116,7 @@ class Command(OneLineFailures):
             "showing what the database tells. Writes go to the DB directly meanwhile.",
             f"epoch: {epoch['state']} (losses {epoch['losses']}, "
             f"last {_fmt(epoch['last_loss_at'])})",
+            self.write_path_line(status["write_path"]),
         ]
         lines += self.rebuild_lines(epoch)
         lines.append(self.ledger_line(status["ledger"]))
@@ -128,6 +130,16 @@ class Command(OneLineFailures):
         """Durable mode and the outbox: rows waiting for Redis, the oldest one's age."""
         mode = "durable" if outbox["durable"] else "buffered (COUNTERS_DURABLE off)"
         return f"outbox: {outbox['rows']} rows, oldest {outbox['oldest_age']:.1f}s; mode {mode}"
+
+    @staticmethod
+    def write_path_line(write_path: dict) -> str:
+        """How committed deltas reach Redis, and what that mode trades."""
+        if write_path["mode"] != "sender":
+            return "write path: each COMMIT pushes its deltas before returning"
+        return (
+            f"write path: per-process sender, every {write_path['send_delay_ms']:g} ms or "
+            f"{write_path['send_batch']} commits; trades: {write_path['trades']}"
+        )
 
     @staticmethod
     def audit_lines(audit: dict) -> list[str]:
