@@ -240,7 +240,7 @@ def _writes_table(w: dict, cfg: dict) -> list[str]:
 
 
 #: Write modes beside off / naive / tally, each shown as its ratio to off and to tally.
-EXTRA_MODES = ("durable",)
+EXTRA_MODES = ("durable", "sender")
 
 
 def _load(values: list[float]) -> str:

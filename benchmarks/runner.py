@@ -48,7 +48,8 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
         )
         try:
             progress(
-                f"writes: measuring off / naive / tally / durable, spread and hot, interleaved, "
+                "writes: measuring off / naive / tally / durable / sender, spread and hot, "
+                f"interleaved, "
                 f"{processes} writers"
             )
             result = writers.measure(pool, config.rounds, config.seconds, config.warmup, probe)
@@ -58,7 +59,7 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
         result["load"] = report.load()
         by_count[str(processes)] = result
         tally_ops += pool.ops["tally"]
-        durable_ops += pool.ops["durable"]
+        durable_ops += pool.ops["durable"] + pool.ops["sender"]
     from counters.models import Outbox
 
     pending = pending_total(buffer)

@@ -1,4 +1,4 @@
-"""Writer processes: notification inserts under four counter strategies, timed in parallel.
+"""Writer processes: notification inserts under five counter strategies, timed in parallel.
 
 Modes:
 
@@ -8,7 +8,10 @@ Modes:
 - ``tally``: ``Notification.objects.create()``, the real counted path (the
   delta goes to Redis after COMMIT), with ``COUNTERS_DURABLE`` off;
 - ``durable``: the same with ``COUNTERS_DURABLE`` on: one outbox row INSERTed
-  before the COMMIT, DELETEd after the push.
+  before the COMMIT, DELETEd after the push;
+- ``sender``: ``tally`` with the per-process sender on
+  (``COUNTERS_SEND_DELAY_MS`` = :data:`SENDER_DELAY_MS`): a COMMIT queues its
+  delta, a thread pushes the queue in one round trip.
 
 Each writer is a spawned process with its own database connection and Redis
 client, set up once and then driven over a pipe: every run starts at the same
@@ -31,7 +34,9 @@ from typing import Any
 from .child import ChildContext
 from .errors import BenchError
 
-MODES = ("off", "naive", "tally", "durable")
+MODES = ("off", "naive", "tally", "durable", "sender")
+#: The send delay of the ``sender`` mode, in milliseconds.
+SENDER_DELAY_MS = 5.0
 #: The value of COUNTERS_DURABLE each mode runs with (the others do not count through Tally).
 DURABLE = {"tally": False, "durable": True}
 WORKLOADS = ("spread", "hot")
@@ -80,7 +85,7 @@ def operations() -> dict[str, Callable[[int], None]]:
     def tally(uid: int) -> None:
         Notification.objects.create(recipient_id=uid, verb="bench")
 
-    return {"off": off, "naive": naive, "tally": tally, "durable": tally}
+    return {"off": off, "naive": naive, "tally": tally, "durable": tally, "sender": tally}
 
 
 def perform(run: Run, op: Callable[[int], None], pick: Callable[[], int]) -> Done:
@@ -107,6 +112,8 @@ def writer_main(
     from django.conf import settings
     from django.db import connection
 
+    from counters import sender
+
     ops = operations()
     rng = random.Random(seed)
     pickers = {"hot": lambda: hot, "spread": lambda: users[rng.randrange(len(users))]}
@@ -116,7 +123,10 @@ def writer_main(
         try:
             # Set for the whole run: ``tally`` and ``durable`` share one operation.
             settings.COUNTERS_DURABLE = DURABLE.get(run.mode, False)
-            conn.send(("done", perform(run, ops[run.mode], pickers[run.workload])))
+            settings.COUNTERS_SEND_DELAY_MS = SENDER_DELAY_MS if run.mode == "sender" else 0
+            done = perform(run, ops[run.mode], pickers[run.workload])
+            sender.push_queued()  # the queue's tail, before the next run
+            conn.send(("done", done))
         except Exception as exc:
             conn.send(("error", f"{run.mode}/{run.workload}: {type(exc).__name__}: {exc}"))
     connection.close()
@@ -251,6 +261,8 @@ def measure(
             "tally_naive": round(_ratio(tally, by_mode["naive"]), 3),
             "durable_off": round(_ratio(durable, by_mode["off"]), 3),
             "durable_tally": round(_ratio(durable, tally), 3),
+            "sender_off": round(_ratio(by_mode["sender"], by_mode["off"]), 3),
+            "sender_tally": round(_ratio(by_mode["sender"], tally), 3),
             **latency,
             **(server[workload].figures() if redis is not None else {}),
             "rounds": {mode: [round(v, 1) for v in values] for mode, values in by_mode.items()},

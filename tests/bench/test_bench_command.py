@@ -28,17 +28,20 @@ FIGURES = [
     *[
         ("writes", w, f"{m}_ops_per_s")
         for w in WORKLOADS
-        for m in ("off", "naive", "tally", "durable")
+        for m in ("off", "naive", "tally", "durable", "sender")
     ],
     *[
         ("writes", w, ratio)
         for w in WORKLOADS
-        for ratio in ("tally_off", "tally_naive", "durable_off", "durable_tally")
+        for ratio in (
+            *("tally_off", "tally_naive", "durable_off", "durable_tally"),
+            *("sender_off", "sender_tally"),
+        )
     ],
     *[
         ("writes", w, f"{m}_{p}_ms")
         for w in WORKLOADS
-        for m in ("off", "naive", "tally", "durable")
+        for m in ("off", "naive", "tally", "durable", "sender")
         for p in ("p50", "p99")
     ],
     *[
