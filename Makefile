@@ -63,16 +63,16 @@ $(VENV_DJANGO60)/.installed-test: pyproject.toml
 	$(VENV_DJANGO60)/bin/pip install --quiet -e '.[test]' 'Django>=6.0,<6.1'
 	touch $@
 
-# The suite on Django 6.0, on SQLite, its fastest run, without the chaos, cluster and
-# process-level e2e parts, to keep CI under 30 minutes (`make test` runs them all on Django 5.2);
+# The suite on Django 6.0, on SQLite, its fastest run, without the chaos, cluster,
+# benchmark and process-level e2e parts, to keep CI under 30 minutes (`make test` runs them all on Django 5.2);
 # DJANGO60_DATABASES=sqlite,postgres for both databases.
 DJANGO60_DATABASES ?= sqlite
 test-django60: $(VENV_DJANGO60)/.installed-test
 	$(VENV_DJANGO60)/bin/python scripts/ensure_redis.py
 	case ",$(DJANGO60_DATABASES)," in *,sqlite,*) \
-	  $(VENV_DJANGO60)/bin/pytest --ignore=tests/chaos --ignore=tests/e2e $(NO_CLUSTER) $(PYTEST_ARGS);; esac
+	  $(VENV_DJANGO60)/bin/pytest --ignore=tests/chaos --ignore=tests/e2e --ignore=tests/bench $(NO_CLUSTER) $(PYTEST_ARGS);; esac
 	case ",$(DJANGO60_DATABASES)," in *,postgres,*) DATABASE_URL=$(TEST_POSTGRES_URL) \
-	  $(VENV_DJANGO60)/bin/pytest --ignore=tests/chaos --ignore=tests/e2e $(NO_CLUSTER) $(PYTEST_ARGS);; esac
+	  $(VENV_DJANGO60)/bin/pytest --ignore=tests/chaos --ignore=tests/e2e --ignore=tests/bench $(NO_CLUSTER) $(PYTEST_ARGS);; esac
 
 lint: install-test
 	$(BIN)/ruff check .
