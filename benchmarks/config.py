@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+#: ``COUNTERS_SEND_DELAY_MS`` of the ``sender`` write mode by default, in milliseconds.
+SENDER_DELAY_MS = 5.0
 SECTIONS = ("writes", "flush", "parallel", "reads", "memory", "idempotency")
 
 
@@ -19,6 +21,8 @@ class BenchConfig:
     seconds: float = 2.0
     #: Interleaved rounds of every (workload, mode) pair.
     rounds: int = 5
+    #: ``COUNTERS_SEND_DELAY_MS`` of the ``sender`` write mode.
+    send_delay_ms: float = SENDER_DELAY_MS
     #: Unrecorded run of every pair before the first round, in seconds.
     warmup: float = 0.5
     spread_users: int = 10_000

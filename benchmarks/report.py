@@ -223,18 +223,27 @@ def _writes_table(w: dict, cfg: dict) -> list[str]:
     if extra:
         lines += [
             "",
-            "other write paths, measured in the same rounds:",
+            "other write paths, measured in the same rounds (sender: COUNTERS_SEND_DELAY_MS "
+            f"{w.get('send_delay_ms', 0):g}):",
             f"{'procs':<6}{'workload':<9}{'mode':<9}{'ops/s':>8}{'/off':>7}{'/tally':>8}"
-            f"  {'p50/p99 ms':>13}",
+            f"  {'p50/p99 ms':>13}{'redis µs/push':>14}{'evalsha/commit':>15}",
         ]
         for count, result in by_count.items():
             for name in ("spread", "hot"):
                 r = result[name]
                 for mode in extra:
+                    cpu = r.get(f"{mode}_redis_cpu_us_per_push")
+                    calls = r.get(f"{mode}_evalsha_per_commit")
+                    server = (
+                        f"{cpu:>14.1f}{calls:>15.2f}"
+                        if cpu is not None and calls is not None
+                        else f"{'-':>14}{'-':>15}"
+                    )
                     lines.append(
                         f"{count:<6}{name:<9}{mode:<9}{r[f'{mode}_ops_per_s']:>8.0f}"
                         f"{r[f'{mode}_off']:>7.2f}{r[f'{mode}_tally']:>8.2f}"
                         f"  {r.get(f'{mode}_p50_ms', 0):>6.2f}/{r.get(f'{mode}_p99_ms', 0):<6.2f}"
+                        f"{server}"
                     )
     return lines
 

@@ -44,18 +44,23 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
     for processes in config.writer_counts():
         progress(f"writes: starting {processes} writer processes")
         pool = writers.WriterPool(
-            processes, context, users[: config.spread_users], users[0], timeout=60
+            processes,
+            context,
+            users[: config.spread_users],
+            users[0],
+            timeout=60,
+            send_delay_ms=config.send_delay_ms,
         )
         try:
             progress(
-                "writes: measuring off / naive / tally / durable / sender, spread and hot, "
-                f"interleaved, "
-                f"{processes} writers"
+                "writes: measuring off / naive / tally / durable / sender "
+                f"({config.send_delay_ms:g} ms), spread and hot, interleaved, {processes} writers"
             )
             result = writers.measure(pool, config.rounds, config.seconds, config.warmup, probe)
         finally:
             pool.close()
         result["processes"] = processes
+        result["send_delay_ms"] = config.send_delay_ms
         result["load"] = report.load()
         by_count[str(processes)] = result
         tally_ops += pool.ops["tally"]

@@ -10,7 +10,7 @@ Modes:
 - ``durable``: the same with ``COUNTERS_DURABLE`` on: one outbox row INSERTed
   before the COMMIT, DELETEd after the push;
 - ``sender``: ``tally`` with the per-process sender on
-  (``COUNTERS_SEND_DELAY_MS`` = :data:`SENDER_DELAY_MS`): a COMMIT queues its
+  (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5 ms by default): a COMMIT queues its
   delta, a thread pushes the queue in one round trip.
 
 Each writer is a spawned process with its own database connection and Redis
@@ -32,11 +32,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .child import ChildContext
+from .config import SENDER_DELAY_MS
 from .errors import BenchError
 
 MODES = ("off", "naive", "tally", "durable", "sender")
-#: The send delay of the ``sender`` mode, in milliseconds.
-SENDER_DELAY_MS = 5.0
 #: The value of COUNTERS_DURABLE each mode runs with (the others do not count through Tally).
 DURABLE = {"tally": False, "durable": True}
 WORKLOADS = ("spread", "hot")
@@ -105,7 +104,12 @@ def perform(run: Run, op: Callable[[int], None], pick: Callable[[], int]) -> Don
 
 
 def writer_main(
-    conn: Connection, context: ChildContext, users: list[int], hot: int, seed: int
+    conn: Connection,
+    context: ChildContext,
+    users: list[int],
+    hot: int,
+    seed: int,
+    send_delay_ms: float = SENDER_DELAY_MS,
 ) -> None:
     """Body of one writer process: answer every :class:`Run` with a :class:`Done`."""
     context.setup()
@@ -123,7 +127,7 @@ def writer_main(
         try:
             # Set for the whole run: ``tally`` and ``durable`` share one operation.
             settings.COUNTERS_DURABLE = DURABLE.get(run.mode, False)
-            settings.COUNTERS_SEND_DELAY_MS = SENDER_DELAY_MS if run.mode == "sender" else 0
+            settings.COUNTERS_SEND_DELAY_MS = send_delay_ms if run.mode == "sender" else 0
             done = perform(run, ops[run.mode], pickers[run.workload])
             sender.push_queued()  # the queue's tail, before the next run
             conn.send(("done", done))
@@ -136,7 +140,13 @@ class WriterPool:
     """``processes`` writer processes, started once and driven run by run."""
 
     def __init__(
-        self, processes: int, context: ChildContext, users: list[int], hot: int, timeout: float
+        self,
+        processes: int,
+        context: ChildContext,
+        users: list[int],
+        hot: int,
+        timeout: float,
+        send_delay_ms: float = SENDER_DELAY_MS,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.timeout = timeout
@@ -150,7 +160,7 @@ class WriterPool:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(
                     target=writer_main,
-                    args=(child, context, users, hot, i + 1),
+                    args=(child, context, users, hot, i + 1, send_delay_ms),
                     name=f"bench-writer-{i}",
                     daemon=True,
                 )
@@ -216,6 +226,10 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
 
 
+#: Modes whose runs the Redis probe samples.
+SAMPLED = ("tally", "sender")
+
+
 def measure(
     pool: WriterPool,
     rounds: int,
@@ -229,23 +243,24 @@ def measure(
     adjacent in time, so they share whatever else the machine was doing. The
     p50 and p99 latency of one operation are over every operation of every
     writer in every round. With ``redis``, the Redis server's CPU time and
-    ``EVALSHA`` calls are sampled around each ``tally`` run.
+    ``EVALSHA`` calls are sampled around each ``tally`` and ``sender`` run.
     """
     for workload in WORKLOADS:
         for mode in MODES:
             if warmup > 0:
                 pool.run(mode, workload, warmup, record=False)
     rates: dict[str, dict[str, list[float]]] = {w: {m: [] for m in MODES} for w in WORKLOADS}
-    server: dict[str, RedisUsage] = {w: RedisUsage() for w in WORKLOADS}
+    server = {(w, m): RedisUsage() for w in WORKLOADS for m in SAMPLED}
     for r in range(rounds):
         order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
         for workload in WORKLOADS:
             for mode in order:
                 before = pool.ops[mode]
-                sampled = redis.sample() if redis is not None and mode == "tally" else None
+                sampled = redis.sample() if redis is not None and mode in SAMPLED else None
                 rates[workload][mode].append(pool.run(mode, workload, seconds))
                 if sampled is not None and redis is not None:
-                    server[workload].add(sampled, redis.sample(), pool.ops[mode] - before)
+                    usage = server[(workload, mode)]
+                    usage.add(sampled, redis.sample(), pool.ops[mode] - before)
     result: dict = {}
     for workload, by_mode in rates.items():
         medians = {mode: statistics.median(values) for mode, values in by_mode.items()}
@@ -264,7 +279,12 @@ def measure(
             "sender_off": round(_ratio(by_mode["sender"], by_mode["off"]), 3),
             "sender_tally": round(_ratio(by_mode["sender"], tally), 3),
             **latency,
-            **(server[workload].figures() if redis is not None else {}),
+            **(server[(workload, "tally")].figures() if redis is not None else {}),
+            **(
+                {f"sender_{k}": v for k, v in server[(workload, "sender")].figures().items()}
+                if redis is not None
+                else {}
+            ),
             "rounds": {mode: [round(v, 1) for v in values] for mode, values in by_mode.items()},
         }
     return result

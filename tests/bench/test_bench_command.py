@@ -47,8 +47,10 @@ FIGURES = [
     *[
         ("writes", w, f)
         for w in WORKLOADS
-        for f in ("redis_cpu_us_per_push", "evalsha_per_commit", "evalsha_usec_per_call")
+        for base in ("redis_cpu_us_per_push", "evalsha_per_commit", "evalsha_usec_per_call")
+        for f in (base, f"sender_{base}")
     ],
+    ("writes", "send_delay_ms"),
     ("flush", "flush_keys_per_s"),
     ("flush", "raw_keys_per_s"),
     ("flush", "flush_raw"),
@@ -154,6 +156,9 @@ def test_bench_leaves_no_data_behind(quick_run):
             id="sections",
         ),
         pytest.param(("--pushes", "0"), "--pushes must be at least 1, got 0", id="pushes"),
+        pytest.param(
+            ("--send-delay", "0"), "--send-delay must be in (0, 1000] ms, got 0", id="send-delay"
+        ),
         pytest.param(
             ("--flush-workers", "1,0"),
             "--flush-workers takes comma-separated numbers of at least 1, got '1,0'",

@@ -41,6 +41,12 @@ class Command(BaseCommand):
             "--rounds", type=int, default=None, help="Interleaved rounds of the writes."
         )
         parser.add_argument(
+            "--send-delay",
+            type=float,
+            default=None,
+            help="COUNTERS_SEND_DELAY_MS of the sender write mode, in ms (default 5).",
+        )
+        parser.add_argument(
             "--pushes",
             type=int,
             default=None,
@@ -85,6 +91,11 @@ class Command(BaseCommand):
                 bound = "greater than 0" if name == "seconds" else f"at least {minimum}"
                 raise CommandError(f"--{name} must be {bound}, got {value}")
             overrides[name] = value
+        if options["send_delay"] is not None:
+            delay = options["send_delay"]
+            if not 0 < delay <= 1000:
+                raise CommandError(f"--send-delay must be in (0, 1000] ms, got {delay:g}")
+            overrides["send_delay_ms"] = delay
         if options["pushes"] is not None:
             if options["pushes"] < 1:
                 raise CommandError(f"--pushes must be at least 1, got {options['pushes']}")

@@ -1,0 +1,129 @@
+"""Where the CPU of one counted insert goes: the writer, its PostgreSQL backend, Redis.
+
+One writer process, alone, inserts ``--inserts`` notifications per mode for one
+user, in ``--rounds`` interleaved rounds, and reports per insert the median of:
+
+- the writer's CPU time (``time.process_time``: Python, the client libraries and
+  the kernel's share of its sockets; the sender's thread included);
+- its PostgreSQL backend's CPU time (``/proc/<pid>/stat`` of
+  ``pg_backend_pid()``, so PostgreSQL must run on the same machine);
+- the Redis server's CPU time (``INFO cpu``, so give the run a Redis of its own);
+- the wall time.
+
+On a machine whose CPUs are all busy, throughput is the inverse of the sum of
+the three CPU columns, so ``off``'s sum over a mode's sum predicts its ratio to
+``off`` in ``counters_bench``::
+
+    redis-server --port 6393 --save '' --appendonly no --bind 127.0.0.1 &
+    DEBUG=0 DATABASE_URL=postgres://postgres@127.0.0.1:5432/tally_bench \\
+        python scripts/write_cost.py --redis-url redis://127.0.0.1:6393/0
+
+The modes are those of ``counters_bench``: ``off`` (no counter), ``naive`` (an
+``F()`` update in the same transaction), ``tally`` (the defaults), ``durable``
+(``COUNTERS_DURABLE``) and ``sender`` (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def backend_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def redis_cpu(client) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inserts", type=int, default=2000, help="inserts per mode and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", default="off,naive,tally,durable,sender")
+    parser.add_argument("--send-delay", type=float, default=5.0, help="ms, of the sender mode")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6393/0")
+    args = parser.parse_args()
+
+    os.environ["COUNTERS_REDIS_URL"] = args.redis_url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    import redis
+    from django.conf import settings
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+
+    from benchmarks.writers import DURABLE, operations
+    from counters import flush, sender
+    from notifications.models import Notification
+
+    if connection.vendor != "postgresql":
+        parser.error("needs PostgreSQL on this machine (DATABASE_URL=postgres://...)")
+    server = redis.Redis.from_url(args.redis_url)
+    user, _ = get_user_model().objects.get_or_create(username="write-cost")
+    ops = operations()
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(ops)
+    if unknown:
+        parser.error(f"unknown modes: {', '.join(sorted(unknown))}")
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        backend = cursor.fetchone()[0]
+
+    def clocks() -> tuple[float, float, float, float]:
+        """Writer CPU, backend CPU, Redis CPU, wall clock (seconds)."""
+        return time.process_time(), backend_cpu(backend), redis_cpu(server), time.perf_counter()
+
+    results: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
+    for round_ in range(args.rounds):
+        for mode in modes[round_ % len(modes) :] + modes[: round_ % len(modes)]:
+            settings.COUNTERS_DURABLE = DURABLE.get(mode, False)
+            settings.COUNTERS_SEND_DELAY_MS = args.send_delay if mode == "sender" else 0
+            op = ops[mode]
+            for _ in range(50):  # warm up the mode's code paths and caches
+                op(user.pk)
+            sender.push_queued()
+            before = clocks()
+            for _ in range(args.inserts):
+                op(user.pk)
+            sender.push_queued()
+            after = clocks()
+            spent = (b - a for a, b in zip(before, after, strict=True))
+            results[mode].append(tuple(t / args.inserts for t in spent))
+        flush()
+    settings.COUNTERS_SEND_DELAY_MS = 0
+    settings.COUNTERS_DURABLE = False
+    Notification.objects.filter(recipient=user).delete()
+    flush()
+
+    def us(values: list[float]) -> float:
+        return statistics.median(values) * 1e6
+
+    print(f"one writer, {args.inserts} inserts x {args.rounds} rounds, µs per insert")
+    header = ("mode", "writer", "postgres", "redis", "cpu sum", "wall", "off/mode (cpu)")
+    print("{:<8} {:>7} {:>9} {:>6} {:>8} {:>7} {:>15}".format(*header))
+    sums = {m: sum(us([r[i] for r in results[m]]) for i in range(3)) for m in modes}
+    for mode in modes:
+        cols = [us([r[i] for r in results[mode]]) for i in range(4)]
+        ratio = f"{sums['off'] / sums[mode]:.2f}" if "off" in sums else "-"
+        row = (mode, *(f"{c:.0f}" for c in (*cols[:3], sums[mode], cols[3])), ratio)
+        print("{:<8} {:>7} {:>9} {:>6} {:>8} {:>7} {:>15}".format(*row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
