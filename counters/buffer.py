@@ -44,10 +44,10 @@ from typing import Any, cast
 
 import redis
 from redis.commands.core import Script
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from .cluster import Client
-from .exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
+from .exceptions import RedisTooOld, ScoreLimitExceeded, StalePush, UnexpectedScriptReply
 from .scripts import DrainScript
 from .utils import to_str
 from .writers import PushId
@@ -527,7 +527,14 @@ class Buffer:
         """
         now_ms = int(time.time() * 1000)
         keys = [*self._shard_keys(shard), self.key(shard, "seq")]
-        reply = self._move(keys=keys, args=[batch_id, limit, now_ms, ack or "", *only])
+        try:
+            reply = self._move(keys=keys, args=[batch_id, limit, now_ms, ack or "", *only])
+        except ResponseError as exc:
+            # Redis before 6.2 refuses the script's ZRANGESTORE (6.0 without naming it).
+            message = str(exc).lower()
+            if "zrangestore" in message or "unknown redis command" in message:
+                raise RedisTooOld("ZRANGESTORE") from exc
+            raise
         status = to_str(reply[0])
         if status == "empty":
             return None

@@ -104,6 +104,16 @@ class UnexpectedScriptReply(CountersError):
         super().__init__(f"{script} returned unexpected {reply!r}")
 
 
+class RedisTooOld(CountersError):
+    """The buffer's Redis lacks a command the flush runs (``ZRANGESTORE``: Redis 6.2+)."""
+
+    def __init__(self, command: str, version: str = "6.2") -> None:
+        self.command = command
+        super().__init__(
+            f"the buffer's Redis does not know {command}: Tally needs Redis {version} or later"
+        )
+
+
 class FlushFailed(CountersError):
     """Some shards could not be flushed; ``result`` tells what the others did.
 

@@ -6,8 +6,10 @@ import re
 import time
 
 import pytest
+from redis.exceptions import ResponseError
 
 from counters.buffer import PUSH_MARKER_TTL_MS, Buffer, shard_of
+from counters.exceptions import RedisTooOld
 
 PREFIX = "t"
 # With 4 shards: c:1, c:3 and c:8 live in shard 0, c:5 in shard 1, c:2 in shard 2, c:4 in shard 3.
@@ -379,3 +381,33 @@ def test_a_move_takes_the_lowest_scores_first_and_drops_zero_sums(client):
     assert batch.items == {"c:2": -2, "c:3": 1}  # c:5 (0) was among the 3 lowest, dropped
     assert all(type(v) is int for v in batch.items.values())
     assert client.zrange("t:{s0}:pending", 0, -1) == [b"c:1", b"c:4"]
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        # Redis 6.0 and 6.2's own wording for a command it does not know, inside a script.
+        "Error running script (call to f_0a1b): @user_script:14: @user_script: 14: "
+        "Unknown Redis command called from Lua script",
+        "ERR unknown command 'zrangestore', with args beginning with: ",
+    ],
+)
+def test_move_on_a_redis_older_than_6_2_says_which_version_it_needs(buf, client, refusal):
+    buf.push({"unread:1": 1}, "p1")
+
+    def too_old(keys=(), args=()):
+        raise ResponseError(refusal)
+
+    buf._move = too_old
+    with pytest.raises(RedisTooOld, match=r"does not know ZRANGESTORE: Tally needs Redis 6\.2"):
+        buf.move(shard_of("unread:1", buf.shards), "b1", 10)
+    assert pending(client, shard_of("unread:1", buf.shards)) == {"unread:1": 1}  # nothing lost
+
+
+def test_move_reraises_other_script_errors(buf):
+    def failing(keys=(), args=()):
+        raise ResponseError("ERR something else")
+
+    buf._move = failing
+    with pytest.raises(ResponseError, match="something else"):
+        buf.move(0, "b1", 10)
