@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # PostgreSQL for the integration run of the suite (the first run uses SQLite).
 TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/postgres
 PYTEST_ARGS ?=
+# Test processes of each run (pytest-xdist, whole files per process); 0 runs the tests in one.
+PYTEST_WORKERS ?= 2
+XDIST = -n $(PYTEST_WORKERS) --dist loadfile
 # Port of the web process under `make run` (honcho would otherwise give it 5000).
 PORT ?= 8000
 # Where the processes of `make run` add up their Prometheus metrics (its *.db emptied at start).
@@ -50,11 +53,11 @@ test: test-sqlite test-postgres
 
 test-sqlite: install-test
 	$(BIN)/python scripts/ensure_redis.py
-	$(BIN)/pytest $(NO_CLUSTER) $(PYTEST_ARGS)
+	$(BIN)/pytest $(XDIST) $(NO_CLUSTER) $(PYTEST_ARGS)
 
 test-postgres: install-test
 	$(BIN)/python scripts/ensure_redis.py
-	DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(PYTEST_ARGS)
+	DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
 
 $(VENV_DJANGO60)/.installed-test: pyproject.toml
 	@test -n "$(PYTHON_DJANGO60)" || { echo "Django 6.0 needs Python 3.12+: set PYTHON_DJANGO60" >&2; exit 1; }
@@ -70,9 +73,9 @@ DJANGO60_DATABASES ?= sqlite
 test-django60: $(VENV_DJANGO60)/.installed-test
 	$(VENV_DJANGO60)/bin/python scripts/ensure_redis.py
 	case ",$(DJANGO60_DATABASES)," in *,sqlite,*) \
-	  $(VENV_DJANGO60)/bin/pytest --ignore=tests/chaos --ignore=tests/e2e --ignore=tests/bench $(NO_CLUSTER) $(PYTEST_ARGS);; esac
+	  $(VENV_DJANGO60)/bin/pytest $(XDIST) --ignore=tests/chaos --ignore=tests/e2e --ignore=tests/bench $(NO_CLUSTER) $(PYTEST_ARGS);; esac
 	case ",$(DJANGO60_DATABASES)," in *,postgres,*) DATABASE_URL=$(TEST_POSTGRES_URL) \
-	  $(VENV_DJANGO60)/bin/pytest --ignore=tests/chaos --ignore=tests/e2e --ignore=tests/bench $(NO_CLUSTER) $(PYTEST_ARGS);; esac
+	  $(VENV_DJANGO60)/bin/pytest $(XDIST) --ignore=tests/chaos --ignore=tests/e2e --ignore=tests/bench $(NO_CLUSTER) $(PYTEST_ARGS);; esac
 
 lint: install-test
 	$(BIN)/ruff check .
