@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 from django.db import connection, transaction
@@ -162,6 +164,53 @@ def test_a_process_that_ends_pushes_its_queue_once(end, make_user):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == "queued 3"  # still queued when it ended
     assert in_redis(alice) == truth(alice) == 3  # pushed once: a forked child pushed nothing
+    assert_exact(alice)
+
+
+def test_a_gunicorn_worker_shut_down_by_its_master_pushes_its_queue(make_user):
+    """gunicorn's graceful shutdown (SIGTERM to the master) ends the worker through its
+    ``worker_exit`` hook (config/gunicorn.py) and interpreter exit: the queue is pushed."""
+    alice = make_user()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # A delay beyond the check's limit (gunicorn runs no system checks): no timer pushes
+    # the queue before the worker ends, only its exit does.
+    env = project_env(COUNTERS_SEND_DELAY_MS="60000", COUNTERS_SEND_BATCH="10000")
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "gunicorn", "--config", "python:config.gunicorn"),
+            *("--bind", f"127.0.0.1:{port}", "--workers", "1", "--graceful-timeout", "20"),
+            "tests.sender_wsgi:app",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            try:
+                url = f"http://127.0.0.1:{port}/?user={alice.pk}&notifications=3"
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    body = response.read().decode()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "gunicorn did not answer"
+                time.sleep(0.1)
+        assert body == "queued 3"  # committed, and still in the worker's queue
+        assert in_redis(alice) == 0
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-2000:]
+    assert in_redis(alice) == truth(alice) == 3
     assert_exact(alice)
 
 
