@@ -39,6 +39,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils import timezone
 
 from . import conf
@@ -83,17 +84,8 @@ def delete(push_id: str, using: str) -> bool:
     conn = connections[using]
     qn = conn.ops.quote_name
     manual = not conn.in_atomic_block and not conn.get_autocommit()
-    try:
-        with conn.cursor() as cursor:
-            cursor.execute(f"DELETE FROM {qn(_table())} WHERE {qn('push_id')} = %s", [push_id])
-            deleted = cursor.rowcount > 0
-        if manual:
-            conn.commit()
-    except Exception:
-        if manual:
-            conn.rollback()
-        raise
-    return deleted
+    sql = f"DELETE FROM {qn(_table())} WHERE {qn('push_id')} = %s"
+    return _execute(conn, sql, [push_id], commit=manual) > 0
 
 
 def forget(push_id: str, using: str) -> None:
@@ -116,17 +108,24 @@ def forget(push_id: str, using: str) -> None:
         "SET LOCAL synchronous_commit TO OFF; "
         f"DELETE FROM {qn(_table())} WHERE {qn('push_id')} = %s"
     )
-    manual = not conn.get_autocommit()
+    # With autocommit on, both statements run in one implicit transaction.
+    _execute(conn, sql, [push_id], commit=not conn.get_autocommit())
+
+
+def _execute(conn: BaseDatabaseWrapper, sql: str, params: list, commit: bool) -> int:
+    """Run ``sql``; with ``commit`` (autocommit off, no atomic block) commit it here, or roll
+    it back if it fails. Returns the cursor's row count."""
     try:
         with conn.cursor() as cursor:
-            # With autocommit on, both statements run in one implicit transaction.
-            cursor.execute(sql, [push_id])
-        if manual:
+            cursor.execute(sql, params)
+            count = cursor.rowcount
+        if commit:
             conn.commit()
     except Exception:
-        if manual:
+        if commit:
             conn.rollback()
         raise
+    return count
 
 
 def claim(push_id: str, using: str) -> dict[str, int] | None:
