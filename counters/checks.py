@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 
@@ -23,14 +24,21 @@ POSITIVE = {
 }
 
 
+def _number(name: str, check_id: str) -> tuple[Any, list[CheckMessage]]:
+    """Setting ``name`` read as a number, or the error ``check_id`` saying it is not one."""
+    try:
+        return conf.get(name), []
+    except (TypeError, ValueError) as exc:
+        return None, [Error(f"{name} is not a valid number: {exc}", id=check_id)]
+
+
 @register(Tags.compatibility)
 def check_settings(app_configs=None, **kwargs):
     errors: list[CheckMessage] = []
     for name, check_id in POSITIVE.items():
-        try:
-            value = conf.get(name)
-        except (TypeError, ValueError) as exc:
-            errors.append(Error(f"{name} is not a valid number: {exc}", id=check_id))
+        value, invalid = _number(name, check_id)
+        if invalid:
+            errors += invalid
             continue
         if value is None or not math.isfinite(value) or value <= 0:
             errors.append(
@@ -84,10 +92,9 @@ def check_redis_url() -> list[Error]:
 def check_audit_interval() -> list[CheckMessage]:
     """COUNTERS_AUDIT_INTERVAL: a whole number of seconds, 0 (or None) for off."""
     name = "COUNTERS_AUDIT_INTERVAL"
-    try:
-        value = conf.get(name)
-    except (TypeError, ValueError) as exc:
-        return [Error(f"{name} is not a valid number: {exc}", id="counters.E022")]
+    value, invalid = _number(name, "counters.E022")
+    if invalid:
+        return invalid
     if value is not None and value < 0:
         return [
             Error(
@@ -115,10 +122,9 @@ def check_durable() -> list[CheckMessage]:
             )
         )
     name = "COUNTERS_OUTBOX_GRACE"
-    try:
-        grace = conf.get(name)
-    except (TypeError, ValueError) as exc:
-        return [*errors, Error(f"{name} is not a valid number: {exc}", id="counters.E024")]
+    grace, invalid = _number(name, "counters.E024")
+    if invalid:
+        return [*errors, *invalid]
     if grace is None or not math.isfinite(grace) or grace <= 0:
         return [
             *errors,
@@ -148,10 +154,9 @@ def check_durable() -> list[CheckMessage]:
 def check_send_delay() -> list[CheckMessage]:
     """COUNTERS_SEND_DELAY_MS: 0 (every COMMIT pushes) up to a second."""
     name = "COUNTERS_SEND_DELAY_MS"
-    try:
-        value = conf.get(name)
-    except (TypeError, ValueError) as exc:
-        return [Error(f"{name} is not a valid number: {exc}", id="counters.E029")]
+    value, invalid = _number(name, "counters.E029")
+    if invalid:
+        return invalid
     if value is not None and not (math.isfinite(value) and 0 <= value <= 1000):
         return [
             Error(

@@ -31,6 +31,7 @@ from .client import get_buffer
 from .exceptions import BufferUnavailable, InconsistentRead
 from .lease import Lease
 from .registry import CounterSpec, get_spec
+from .sender import Sender
 from .utils import column, model_field
 from .writers import PushId
 
@@ -72,10 +73,8 @@ def _exact_values(name: str, keys: Iterable[Any], using: str) -> dict[Any, int]:
         stored = _read_rows(spec, list(dict.fromkeys(normal.values())), set(), using).stored
         members = [spec.member(v) for v in normal.values()]
         own = transactions.unsent(members, using)
-        with sender.holding(using) as queue:
-            if queue is not None:  # written to the DB directly once the sender fails too
-                for member, delta in queue.queued(members).items():
-                    own[member] = own.get(member, 0) + delta
+        with sender.holding(using) as queue:  # the DB directly once the sender fails too
+            _add_queued(own, members, queue)
         return {
             key: stored.get(value, 0) + own.get(spec.member(value), 0)
             for key, value in normal.items()
@@ -85,6 +84,13 @@ def _exact_values(name: str, keys: Iterable[Any], using: str) -> dict[Any, int]:
 
 def get_value(name: str, key: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
     return get_values(name, [key], using=using)[key]
+
+
+def _add_queued(own: dict[str, int], members: Iterable[str], queue: Sender | None) -> None:
+    """Add to ``own`` what this process's sender still queues of ``members`` (held still)."""
+    if queue is not None:
+        for member, delta in queue.queued(members).items():
+            own[member] = own.get(member, 0) + delta
 
 
 def get_parts(
@@ -110,9 +116,7 @@ def get_parts(
             snap, rows = _consistent_reading(buffer, spec, members, using)
         except RedisError as exc:
             raise BufferUnavailable(conf.redis_url(), exc) from exc
-        if queue is not None:
-            for member, delta in queue.queued(members).items():
-                own[member] = own.get(member, 0) + delta
+        _add_queued(own, members, queue)
     twice = _counted_twice(buffer, snap, rows)
     parts = {}
     for key, value in normal.items():
