@@ -25,3 +25,12 @@ def assert_exact(*users, flush: bool = True) -> None:
         for user in users:
             assert (user.pk, stored(user)) == (user.pk, truth(user))
             assert (user.pk, UnreadCounter.objects.get_count(user)) == (user.pk, truth(user))
+
+
+def in_redis(user) -> int:
+    """Pending plus in-flight deltas of the user's unread counter in Redis."""
+    from counters.client import get_buffer
+
+    member = f"unread:{user.pk}"
+    snap = get_buffer().snapshot([member])
+    return snap.pending[member] + snap.inflight[member]

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from counters.client import get_buffer
 from tests.e2e.celery_procs import CeleryProcs, signal_group
 from tests.e2e.celery_writes import WRITE_TASK_NAME
-from tests.helpers import assert_exact, truth
+from tests.helpers import assert_exact, in_redis, truth
 from tests.procs import project_env
 from tests.redis_server import RedisServer
 
@@ -31,12 +30,6 @@ pytestmark = [
 def broker() -> Iterator[str]:
     with RedisServer() as server:
         yield server.url
-
-
-def in_redis(user) -> int:
-    member = f"unread:{user.pk}"
-    snap = get_buffer().snapshot([member])
-    return snap.pending[member] + snap.inflight[member]
 
 
 def test_a_prefork_child_pushes_its_queue_at_warm_shutdown(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,11 +15,11 @@ from django.db import connection, transaction
 import counters
 from counters import sender
 from counters.audit import audit
-from counters.client import get_buffer
 from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
-from tests.helpers import assert_exact, stored, truth
+from tests.helpers import assert_exact, in_redis, stored, truth
 from tests.procs import ROOT, project_env
+from tests.redis_server import free_port
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -30,13 +29,6 @@ def delay(settings):
     """A sender that holds commits for up to a second unless told to push."""
     settings.COUNTERS_SEND_DELAY_MS = 1000
     settings.COUNTERS_SEND_BATCH = 10_000
-
-
-def in_redis(user) -> int:
-    """Pending plus in-flight deltas of the user's counter in Redis."""
-    member = f"unread:{user.pk}"
-    snap = get_buffer().snapshot([member])
-    return snap.pending[member] + snap.inflight[member]
 
 
 def wait_for(predicate, timeout: float = 10.0) -> float:
@@ -171,9 +163,7 @@ def test_a_gunicorn_worker_shut_down_by_its_master_pushes_its_queue(make_user):
     """gunicorn's graceful shutdown (SIGTERM to the master) ends the worker through its
     ``worker_exit`` hook (config/gunicorn.py) and interpreter exit: the queue is pushed."""
     alice = make_user()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # A delay beyond the check's limit (gunicorn runs no system checks): no timer pushes
     # the queue before the worker ends, only its exit does.
     env = project_env(COUNTERS_SEND_DELAY_MS="60000", COUNTERS_SEND_BATCH="10000")
