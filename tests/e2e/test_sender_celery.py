@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 
 from tests.e2e.celery_procs import CeleryProcs, signal_group
-from tests.e2e.celery_writes import WRITE_TASK_NAME
+from tests.e2e.celery_writes import WRITE_TASK_NAME, WROTE
 from tests.helpers import assert_exact, in_redis, truth
 from tests.procs import project_env
 from tests.redis_server import RedisServer
@@ -56,7 +56,8 @@ def test_a_prefork_child_pushes_its_queue_at_warm_shutdown(
     try:
         client.send_task(WRITE_TASK_NAME, args=[alice.pk, 5])
         deadline = time.monotonic() + 90
-        while truth(alice) < 5:
+        # Until the task is done: a shutdown signal during the task would end its child early.
+        while WROTE.format(count=5, user_id=alice.pk) not in procs.log("worker"):
             procs.check_alive("worker")
             assert time.monotonic() < deadline, procs.output()
             time.sleep(0.01)
