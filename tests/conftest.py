@@ -28,6 +28,19 @@ from tests.redis_cluster import RedisCluster as RedisClusterServer
 
 pytest.register_assert_rewrite("tests.helpers")
 
+#: Folders whose every test starts processes, kills them or times things (marker ``serial``).
+SERIAL_FOLDERS = ("chaos", "e2e", "bench")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the tests of :data:`SERIAL_FOLDERS` ``serial``: ``make test`` runs them in a pass
+    of their own after the parallel one, so their timing never competes with other tests."""
+    root = config.rootpath / "tests"
+    for item in items:
+        parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
+        if parts and parts[0] in SERIAL_FOLDERS:
+            item.add_marker(pytest.mark.serial)
+
 
 def is_postgres() -> bool:
     return connection.vendor == "postgresql"

@@ -28,7 +28,7 @@ from tests.blog.truth import assert_exact as assert_blog_exact
 from tests.helpers import assert_exact, truth
 from tests.procs import ROOT, project_env
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis, pytest.mark.serial]
 
 WRITE_SECONDS = 10.0
 CORRUPTION = 7

@@ -14,7 +14,7 @@ from tests.blog.models import Comment, Post, PostStats
 from tests.blog.truth import assert_exact, stored, truth
 from tests.procs import ROOT, project_env, run_manage
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis, pytest.mark.serial]
 
 
 def env(**extra: str) -> dict[str, str]:

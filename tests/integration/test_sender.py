@@ -21,7 +21,7 @@ from tests.helpers import assert_exact, in_redis, stored, truth
 from tests.procs import ROOT, project_env
 from tests.redis_server import free_port
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.serial]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 from tests.procs import project_env, run_manage
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.serial]
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from tests.helpers import assert_exact, truth
 from tests.procs import run_manage
 from tests.web.conftest import PASSWORD
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis, pytest.mark.serial]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -22,7 +22,7 @@ import pytest
 
 from tests.procs import ROOT, project_env, run_manage
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis, pytest.mark.serial]
 
 SECURE = {
     "SECURE_SSL_REDIRECT": "1",
