@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,8 @@ class Config:
     trial_seconds: float
     restart_every: int  # every n-th trial restarts Redis (from the 2nd on)
     writers: int = 3
+    # quick mode: trials to add, one at a time, while a kind of fault has not happened yet
+    extra_trials: int = 3
     users: int = 80
     shards: int = 4
     batch_size: int = 10
@@ -49,10 +52,18 @@ class Config:
         """Trial numbers start at 1; the first trial never restarts Redis."""
         return trial > 1 and trial % self.restart_every == 0
 
-    def more_trials(self, done: int, elapsed: float) -> bool:
+    def more_trials(self, done: int, elapsed: float, missing: Sequence[str] = ()) -> bool:
+        """Whether to run another trial after ``done`` of them.
+
+        ``missing`` names the kinds of fault that have not happened yet: the
+        faults are drawn at random, so a quick run adds up to ``extra_trials``
+        trials until each has happened at least once.
+        """
         if done < self.trials:
             return True
-        return bool(self.minutes) and elapsed < self.minutes * 60
+        if self.minutes:
+            return elapsed < self.minutes * 60
+        return bool(missing) and done < self.trials + self.extra_trials
 
 
 def spawn(argv: list[str], cwd: Path, env: dict[str, str], log) -> subprocess.Popen:

@@ -244,6 +244,26 @@ class Trials:
         return "\n".join(parts)
 
 
+def missing_faults(
+    run: Run, command_flusher: CommandFlusher, celery_flusher: CeleryFlusher
+) -> list[str]:
+    """The kinds of fault (and flusher) the trials so far have not exercised yet."""
+    chaos: Counter[str] = Counter()
+    for trial in run.trials:
+        chaos.update(trial.chaos)
+    seen = {
+        "kills >= 3": run.total("kills") >= 3,
+        "pg_terminate": chaos["pg_terminate"] >= 1,
+        "redis_restart": chaos["redis_restart"] >= 1,
+        "kill inside a flush": chaos["kill_in_tx"] + chaos["kill_at_commit"] >= 1,
+        "batch recovered": run.total("flushes", "recovered") >= 1,
+        "stranded_committed": chaos["stranded_committed"] >= 1,
+        "celery flushed": celery_flusher.flush_totals()["batches"] > 0,
+        "command flushed": command_flusher.totals["batches"] > 0,
+    }
+    return [name for name, ok in seen.items() if not ok]
+
+
 def test_counts_stay_exact_under_kills_disconnects_and_redis_restarts(
     chaos_config: Config,
     chaos_settings,
@@ -267,7 +287,13 @@ def test_counts_stay_exact_under_kills_disconnects_and_redis_restarts(
     started = time.monotonic()
     trials = Trials(cfg, chaos_redis, command_flusher, celery_flusher, writer_env, tmp_path)
     try:
-        while cfg.more_trials(len(run.trials), time.monotonic() - started):
+        while cfg.more_trials(
+            len(run.trials),
+            time.monotonic() - started,
+            missing := missing_faults(run, command_flusher, celery_flusher),
+        ):
+            if missing and len(run.trials) >= cfg.trials:
+                print(f"chaos: one more trial, not seen yet: {', '.join(missing)}", flush=True)
             run.trials.append(trials.run(len(run.trials) + 1))
             assert celery_flusher.beat_alive(), "celery beat died"
     except BaseException:
@@ -286,6 +312,7 @@ def test_counts_stay_exact_under_kills_disconnects_and_redis_restarts(
         audit.uninstall()
 
     assert run.drift == 0
+    assert not missing_faults(run, command_flusher, celery_flusher)
     assert run.total("kills") >= 3, "too few flusher kills to prove anything"
     assert run.total("chaos", "pg_terminate") >= 1, "no flusher connection was terminated"
     assert run.total("chaos", "redis_restart") >= 1, "Redis was never restarted"
