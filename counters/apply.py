@@ -15,12 +15,13 @@ import sqlite3
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, cast
 
 from django.db import connections, models
 
 from .registry import CounterSpec, get_spec
-from .utils import LOG_DELTAS, batched, model_field, target_field
+from .utils import LOG_DELTAS, batched, model_field, stamped, target_field
 
 logger = logging.getLogger(__name__)
 
@@ -86,23 +87,33 @@ class _Names:
         if spec.target_model is not None:
             self.parent = qn(spec.target_model._meta.db_table)
             self.parent_key = qn(target_field(field).column)
-        # A row may hold several counters: a new one gets the other columns' defaults.
+        # A row may hold several counters: a new one gets the other columns' defaults,
+        # and the current time in its auto_now and auto_now_add columns, as save() does.
         value_field = meta.get_field(spec.value_field)
         self.others = [
             f
             for f in meta.concrete_fields
             if f not in (field, value_field)
-            and f.has_default()
-            and not f.has_db_default()
+            and (stamped(f) or (f.has_default() and not f.has_db_default()))
             and not getattr(f, "generated", False)
         ]
         self.other_columns = "".join(f", {qn(f.column)}" for f in self.others)
         self.other_params = ", %s" * len(self.others)
         self.other_casts = "".join(f", %s::{f.cast_db_type(conn)}" for f in self.others)
+        # auto_now columns move on with every change of the row, as with save().
+        self.touched = [f for f in self.others if getattr(f, "auto_now", False)]
+        self.touch = "".join(f", {qn(f.column)} = %s" for f in self.touched)
+        self.touch_excluded = "".join(
+            f", {qn(f.column)} = EXCLUDED.{qn(f.column)}" for f in self.touched
+        )
 
     def defaults(self, conn) -> list[Any]:
-        """The other columns' default values, for a new row (see ``others``)."""
-        return [f.get_db_prep_save(f.get_default(), conn) for f in self.others]
+        """The other columns' values for a new row (see ``others``)."""
+        return [f.get_db_prep_save(_new_value(f), conn) for f in self.others]
+
+    def touches(self, conn) -> list[Any]:
+        """The current time for each ``auto_now`` column, for an UPDATE's ``touch``."""
+        return [f.get_db_prep_save(_new_value(f), conn) for f in self.touched]
 
     def join(self, key: str, lateral: bool = False) -> str:
         """Inner join of the parent table: keys whose parent row is gone drop out.
@@ -118,6 +129,13 @@ class _Names:
                 f"WHERE p.{self.parent_key} = {key} OFFSET 0) AS p "
             )
         return f"JOIN {self.parent} AS p ON p.{self.parent_key} = {key} "
+
+
+def _new_value(field: models.Field) -> Any:
+    """What ``save()`` of a new row puts in ``field``: now if it is stamped, else its default."""
+    if stamped(field):
+        return field.pre_save(cast(models.Model, SimpleNamespace()), True)
+    return field.get_default()
 
 
 def _prepared(spec: CounterSpec, keyed: Mapping[Any, int], conn) -> dict[Any, Any]:
@@ -156,13 +174,13 @@ def _apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -
     sql = (
         f"WITH d AS MATERIALIZED (SELECT k, n FROM unnest(%s::{n.key_type}[], %s::bigint[]) "
         f"AS d(k, n) ORDER BY k), "
-        f"u AS (UPDATE {n.table} AS t SET {n.value} = t.{n.value} + d.n FROM d "
+        f"u AS (UPDATE {n.table} AS t SET {n.value} = t.{n.value} + d.n{n.touch} FROM d "
         f"WHERE t.{n.key} = d.k AND t.{n.key} = ANY(ARRAY(SELECT k FROM d)) "
         f"RETURNING t.{n.key} AS k) "
         f"SELECT d.k FROM d WHERE NOT EXISTS (SELECT 1 FROM u WHERE u.k = d.k)"
     )
     with conn.cursor() as cursor:
-        cursor.execute(sql, [keys, [keyed[by_db[k]] for k in keys]])
+        cursor.execute(sql, [keys, [keyed[by_db[k]] for k in keys], *n.touches(conn)])
         missing = [by_db[k] for (k,) in cursor.fetchall()]
     if not missing:
         return set(keyed), 1
@@ -192,7 +210,8 @@ def _upsert_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) 
         f"INSERT INTO {n.table} AS t ({n.key}, {n.value}{n.other_columns}) "
         f"SELECT d.k, d.n{n.other_casts} FROM unnest(%s::{n.key_type}[], %s::bigint[]) AS d(k, n) "
         f"{n.join('d.k', lateral=True)}ORDER BY d.k "
-        f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = t.{n.value} + EXCLUDED.{n.value} "
+        f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = t.{n.value} + EXCLUDED.{n.value}"
+        f"{n.touch_excluded} "
         # xmax is 0 in a row version this statement inserted, not in one it updated.
         f"RETURNING t.{n.key}, t.xmax = 0"
     )
@@ -244,8 +263,8 @@ def _apply_sqlite(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tu
                 f"SELECT d.column1, d.column2{n.other_params} "
                 f"FROM (VALUES {values}) AS d "
                 f"{n.join('d.column1')}WHERE true ORDER BY d.column1 "
-                f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = {n.value} + excluded.{n.value} "
-                f"RETURNING {n.key}",
+                f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = {n.value} + excluded.{n.value}"
+                f"{n.touch_excluded} RETURNING {n.key}",
                 [*defaults, *(p for k in chunk for p in (k, keyed[by_db[k]]))],
             )
             applied.update(k for (k,) in cursor.fetchall())
@@ -291,9 +310,16 @@ def _apply_generic(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> t
     by_delta: dict[int, list] = defaultdict(list)
     for key in sorted(applied):
         by_delta[keyed[key]].append(key)
+    touch = {
+        f.attname: _new_value(f)
+        for f in spec.model._meta.concrete_fields
+        if getattr(f, "auto_now", False)
+    }
     for delta, group in sorted(by_delta.items()):
         for chunk in batched(group, CHUNK):
-            qs.filter(**{f"{attname}__in": chunk}).update(**{value: models.F(value) + delta})
+            qs.filter(**{f"{attname}__in": chunk}).update(
+                **{value: models.F(value) + delta}, **touch
+            )
             statements += 1
     return applied, statements
 

@@ -32,7 +32,7 @@ from django.db import models
 from django.db.models.fields import AutoFieldMixin
 
 from . import registry
-from .utils import model_field, target_field
+from .utils import model_field, stamped, target_field
 
 if TYPE_CHECKING:
     from .tracking import Tracker
@@ -59,11 +59,6 @@ def generated(fields: Iterable[tuple[str, models.Field]]) -> str | None:
                 "it is computed from"
             )
     return None
-
-
-def stamped(field: models.Field) -> bool:
-    """Whether ``save()`` fills ``field`` with the current time (``auto_now``/``auto_now_add``)."""
-    return bool(getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False))
 
 
 def fillable(field: models.Field) -> bool:
