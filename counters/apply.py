@@ -18,15 +18,32 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
 
-from django.db import connections, models
+from django.db import (
+    DataError,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connections,
+    models,
+    transaction,
+)
+from django.db.transaction import TransactionManagementError
 
 from .registry import CounterSpec, get_spec
-from .utils import LOG_DELTAS, batched, model_field, stamped, target_field
+from .utils import LOG_DELTAS, batched, first_line, model_field, stamped, target_field
 
 logger = logging.getLogger(__name__)
 
 #: Largest IN list sent in one statement (below every backend's parameter limit).
 CHUNK = 5000
+
+#: Errors of the database rather than of the deltas applied: applying them again later may work.
+DATABASE_ERRORS: tuple[type[Exception], ...] = (
+    OperationalError,  # connection lost, deadlock, lock or statement timeout
+    InterfaceError,  # connection closed
+    InternalError,  # read-only transaction (a failover to a replica), aborted transaction
+    TransactionManagementError,
+)
 
 
 @dataclass(frozen=True)
@@ -264,10 +281,19 @@ def _apply_sqlite(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tu
                 f"FROM (VALUES {values}) AS d "
                 f"{n.join('d.column1')}WHERE true ORDER BY d.column1 "
                 f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = {n.value} + excluded.{n.value}"
-                f"{n.touch_excluded} RETURNING {n.key}",
+                f"{n.touch_excluded} RETURNING {n.key}, typeof({n.value})",
                 [*defaults, *(p for k in chunk for p in (k, keyed[by_db[k]]))],
             )
-            applied.update(k for (k,) in cursor.fetchall())
+            rows = cursor.fetchall()
+            beyond = sorted(k for k, kind in rows if kind != "integer")
+            if beyond:
+                # SQLite turns an integer that overflows into an inexact float: refuse it
+                # as PostgreSQL does (the caller's transaction rolls the statement back).
+                raise DataError(
+                    f"integer out of range: {spec.name} at {capped_keys(beyond)} would leave "
+                    "the 64-bit range of its column"
+                )
+            applied.update(k for k, _ in rows)
             statements += 1
     return {by_db[k] for k in applied}, statements
 
@@ -356,6 +382,51 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
         dropped=len(dropped),
         statements=statements,
     )
+
+
+def capped_keys(keys: list) -> str:
+    return ", ".join(str(k) for k in keys[:LOG_DELTAS])
+
+
+def apply_isolating(
+    deltas: Mapping[str, int], using: str
+) -> tuple[Applied, dict[str, tuple[int, str]]]:
+    """:func:`apply_deltas`, leaving out each member the database refuses on its own.
+
+    Returns what was applied and ``{member: (delta, error)}`` of the deltas
+    that cannot be applied (a value beyond the column's range, an unknown
+    counter), for the quarantine. Errors of the database itself
+    (:data:`DATABASE_ERRORS`) are raised. Call inside a transaction: each
+    attempt runs in a savepoint of its own.
+    """
+    whole = _attempt(deltas, using)
+    if isinstance(whole, Applied):
+        return whole, {}
+    if len(deltas) == 1:
+        return Applied(0, 0, 0, 0), {member: (d, whole) for member, d in deltas.items()}
+    keys = total = dropped = statements = 0
+    refused: dict[str, tuple[int, str]] = {}
+    for member, delta in sorted(deltas.items()):
+        part = _attempt({member: delta}, using)
+        if not isinstance(part, Applied):
+            refused[member] = (delta, part)
+            continue
+        keys += part.keys
+        total += part.deltas
+        dropped += part.dropped
+        statements += part.statements
+    return Applied(keys, total, dropped, statements), refused
+
+
+def _attempt(deltas: Mapping[str, int], using: str) -> Applied | str:
+    """:func:`apply_deltas` in a savepoint; the error line if the deltas were refused."""
+    try:
+        with transaction.atomic(using=using):
+            return apply_deltas(deltas, using)
+    except DATABASE_ERRORS:
+        raise
+    except Exception as exc:
+        return f"{type(exc).__name__}: {first_line(exc)}"[:200]
 
 
 def apply_deltas(deltas: Mapping[str, int], using: str) -> Applied:
