@@ -29,6 +29,7 @@ from django.db import (
 )
 from django.db.transaction import TransactionManagementError
 
+from . import tombs
 from .registry import CounterSpec, get_spec
 from .utils import LOG_DELTAS, batched, first_line, model_field, stamped, target_field
 
@@ -369,6 +370,9 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
     applier = APPLIERS.get(connections[using].vendor, _apply_generic)
     applied, statements = applier(spec, keyed, using)
     dropped = [k for k in keyed if k not in applied]
+    if dropped and tombs.reusable(spec):
+        # A natural key may come back: what its deleted parent was owed is kept for it.
+        tombs.keep(spec, {k: keyed[k] for k in dropped}, using)
     if dropped:
         logger.warning(
             "dropped deltas of %s vanished %s keys: %s",

@@ -239,7 +239,7 @@ def _registered(name: str) -> bool:
 
 
 def _add(tracker: Tracker) -> None:
-    from . import counting, signals
+    from . import counting, signals, tombs
 
     model = tracker.model
     _trackers[tracker.name] = tracker
@@ -251,6 +251,9 @@ def _add(tracker: Tracker) -> None:
     _names[model] = frozenset({f.name for f in fields} | {f.attname for f in fields})
     counting.install_save(model)
     signals.connect_model(model)
+    spec = tracker.spec
+    if tombs.reusable(spec) and spec.target_model is not None:
+        tombs.connect(spec.target_model)
     logger.debug("tracking %s: %s", tracker.name, tracker.signature)
 
 
