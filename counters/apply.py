@@ -370,9 +370,13 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
     applier = APPLIERS.get(connections[using].vendor, _apply_generic)
     applied, statements = applier(spec, keyed, using)
     dropped = [k for k in keyed if k not in applied]
-    if dropped and tombs.reusable(spec):
-        # A natural key may come back: what its deleted parent was owed is kept for it.
-        tombs.keep(spec, {k: keyed[k] for k in dropped}, using)
+    if tombs.reusable(spec):
+        # A natural key may come back: what its deleted parent was owed is kept for it,
+        # and taken in by the row of a parent created again.
+        if dropped:
+            tombs.keep(spec, {k: keyed[k] for k in dropped}, using)
+        if applied:
+            tombs.fold(spec, sorted(applied), using)
     if dropped:
         logger.warning(
             "dropped deltas of %s vanished %s keys: %s",

@@ -31,7 +31,7 @@ from django.db.models.signals import post_save, pre_delete
 
 from . import registry
 from .registry import CounterSpec
-from .utils import concrete_model, target_field
+from .utils import batched, concrete_model, target_field
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,35 @@ def parent_created(
                     text,
                     found.value,
                 )
+
+
+def fold(spec: CounterSpec, keys: list[Any], using: str) -> int:
+    """Add the tombstones of ``keys`` (whose counter rows exist) to their rows; how many.
+
+    For a parent created again without ``post_save`` (``bulk_create()``), or
+    whose tombstone was written after it was created (a flush that found it
+    gone just before): the flush that applies to its row takes the tombstone
+    in. Call inside a transaction.
+    """
+    from .models import Tombstone
+
+    texts = {str(spec.normalize(k)): k for k in keys}
+    rows = spec.model._base_manager.using(using)
+    folded = 0
+    for chunk in batched(sorted(texts), 500):
+        found = list(
+            Tombstone.objects.using(using)
+            .select_for_update()
+            .filter(counter=spec.name, key__in=chunk)
+            .order_by("key")
+        )
+        for tomb in found:
+            rows.filter(**{spec.key_attname: texts[tomb.key]}).update(
+                **{spec.value_field: models.F(spec.value_field) + tomb.value}
+            )
+            tomb.delete()
+            folded += 1
+    return folded
 
 
 def keep(spec: CounterSpec, values: Mapping[Any, int], using: str) -> None:

@@ -120,3 +120,15 @@ def test_an_auto_increment_key_keeps_no_tombstone():
     post.delete()
     assert counters.flush().dropped == 2
     assert Tombstone.objects.count() == 0
+
+
+def test_a_parent_bulk_created_again_is_exact_after_the_flush():
+    shelf_with("A", 3)
+    counters.flush()
+    DeclShelf.objects.get(code="A").delete()
+    [shelf] = DeclShelf.objects.bulk_create([DeclShelf(code="A")])  # no post_save
+    DeclBook.objects.create(shelf=shelf)
+    counters.flush()
+    assert (truth("A"), counters.get_value(NAME, "A"), stored("A")) == (1, 1, 1)
+    assert Tombstone.objects.count() == 0
+    assert_exact("A", 1)
