@@ -15,17 +15,36 @@ import sqlite3
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, cast
 
-from django.db import connections, models
+from django.db import (
+    DataError,
+    InterfaceError,
+    InternalError,
+    OperationalError,
+    connections,
+    models,
+    transaction,
+)
+from django.db.transaction import TransactionManagementError
 
+from . import tombs
 from .registry import CounterSpec, get_spec
-from .utils import LOG_DELTAS, batched, model_field, target_field
+from .utils import LOG_DELTAS, batched, first_line, model_field, stamped, target_field
 
 logger = logging.getLogger(__name__)
 
 #: Largest IN list sent in one statement (below every backend's parameter limit).
 CHUNK = 5000
+
+#: Errors of the database rather than of the deltas applied: applying them again later may work.
+DATABASE_ERRORS: tuple[type[Exception], ...] = (
+    OperationalError,  # connection lost, deadlock, lock or statement timeout
+    InterfaceError,  # connection closed
+    InternalError,  # read-only transaction (a failover to a replica), aborted transaction
+    TransactionManagementError,
+)
 
 
 @dataclass(frozen=True)
@@ -86,23 +105,33 @@ class _Names:
         if spec.target_model is not None:
             self.parent = qn(spec.target_model._meta.db_table)
             self.parent_key = qn(target_field(field).column)
-        # A row may hold several counters: a new one gets the other columns' defaults.
+        # A row may hold several counters: a new one gets the other columns' defaults,
+        # and the current time in its auto_now and auto_now_add columns, as save() does.
         value_field = meta.get_field(spec.value_field)
         self.others = [
             f
             for f in meta.concrete_fields
             if f not in (field, value_field)
-            and f.has_default()
-            and not f.has_db_default()
+            and (stamped(f) or (f.has_default() and not f.has_db_default()))
             and not getattr(f, "generated", False)
         ]
         self.other_columns = "".join(f", {qn(f.column)}" for f in self.others)
         self.other_params = ", %s" * len(self.others)
         self.other_casts = "".join(f", %s::{f.cast_db_type(conn)}" for f in self.others)
+        # auto_now columns move on with every change of the row, as with save().
+        self.touched = [f for f in self.others if getattr(f, "auto_now", False)]
+        self.touch = "".join(f", {qn(f.column)} = %s" for f in self.touched)
+        self.touch_excluded = "".join(
+            f", {qn(f.column)} = EXCLUDED.{qn(f.column)}" for f in self.touched
+        )
 
     def defaults(self, conn) -> list[Any]:
-        """The other columns' default values, for a new row (see ``others``)."""
-        return [f.get_db_prep_save(f.get_default(), conn) for f in self.others]
+        """The other columns' values for a new row (see ``others``)."""
+        return [f.get_db_prep_save(_new_value(f), conn) for f in self.others]
+
+    def touches(self, conn) -> list[Any]:
+        """The current time for each ``auto_now`` column, for an UPDATE's ``touch``."""
+        return [f.get_db_prep_save(_new_value(f), conn) for f in self.touched]
 
     def join(self, key: str, lateral: bool = False) -> str:
         """Inner join of the parent table: keys whose parent row is gone drop out.
@@ -118,6 +147,13 @@ class _Names:
                 f"WHERE p.{self.parent_key} = {key} OFFSET 0) AS p "
             )
         return f"JOIN {self.parent} AS p ON p.{self.parent_key} = {key} "
+
+
+def _new_value(field: models.Field) -> Any:
+    """What ``save()`` of a new row puts in ``field``: now if it is stamped, else its default."""
+    if stamped(field):
+        return field.pre_save(cast(models.Model, SimpleNamespace()), True)
+    return field.get_default()
 
 
 def _prepared(spec: CounterSpec, keyed: Mapping[Any, int], conn) -> dict[Any, Any]:
@@ -156,13 +192,13 @@ def _apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -
     sql = (
         f"WITH d AS MATERIALIZED (SELECT k, n FROM unnest(%s::{n.key_type}[], %s::bigint[]) "
         f"AS d(k, n) ORDER BY k), "
-        f"u AS (UPDATE {n.table} AS t SET {n.value} = t.{n.value} + d.n FROM d "
+        f"u AS (UPDATE {n.table} AS t SET {n.value} = t.{n.value} + d.n{n.touch} FROM d "
         f"WHERE t.{n.key} = d.k AND t.{n.key} = ANY(ARRAY(SELECT k FROM d)) "
         f"RETURNING t.{n.key} AS k) "
         f"SELECT d.k FROM d WHERE NOT EXISTS (SELECT 1 FROM u WHERE u.k = d.k)"
     )
     with conn.cursor() as cursor:
-        cursor.execute(sql, [keys, [keyed[by_db[k]] for k in keys]])
+        cursor.execute(sql, [keys, [keyed[by_db[k]] for k in keys], *n.touches(conn)])
         missing = [by_db[k] for (k,) in cursor.fetchall()]
     if not missing:
         return set(keyed), 1
@@ -192,7 +228,8 @@ def _upsert_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) 
         f"INSERT INTO {n.table} AS t ({n.key}, {n.value}{n.other_columns}) "
         f"SELECT d.k, d.n{n.other_casts} FROM unnest(%s::{n.key_type}[], %s::bigint[]) AS d(k, n) "
         f"{n.join('d.k', lateral=True)}ORDER BY d.k "
-        f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = t.{n.value} + EXCLUDED.{n.value} "
+        f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = t.{n.value} + EXCLUDED.{n.value}"
+        f"{n.touch_excluded} "
         # xmax is 0 in a row version this statement inserted, not in one it updated.
         f"RETURNING t.{n.key}, t.xmax = 0"
     )
@@ -244,11 +281,20 @@ def _apply_sqlite(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tu
                 f"SELECT d.column1, d.column2{n.other_params} "
                 f"FROM (VALUES {values}) AS d "
                 f"{n.join('d.column1')}WHERE true ORDER BY d.column1 "
-                f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = {n.value} + excluded.{n.value} "
-                f"RETURNING {n.key}",
+                f"ON CONFLICT ({n.key}) DO UPDATE SET {n.value} = {n.value} + excluded.{n.value}"
+                f"{n.touch_excluded} RETURNING {n.key}, typeof({n.value})",
                 [*defaults, *(p for k in chunk for p in (k, keyed[by_db[k]]))],
             )
-            applied.update(k for (k,) in cursor.fetchall())
+            rows = cursor.fetchall()
+            beyond = sorted(k for k, kind in rows if kind != "integer")
+            if beyond:
+                # SQLite turns an integer that overflows into an inexact float: refuse it
+                # as PostgreSQL does (the caller's transaction rolls the statement back).
+                raise DataError(
+                    f"integer out of range: {spec.name} at {capped_keys(beyond)} would leave "
+                    "the 64-bit range of its column"
+                )
+            applied.update(k for k, _ in rows)
             statements += 1
     return {by_db[k] for k in applied}, statements
 
@@ -291,9 +337,16 @@ def _apply_generic(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> t
     by_delta: dict[int, list] = defaultdict(list)
     for key in sorted(applied):
         by_delta[keyed[key]].append(key)
+    touch = {
+        f.attname: _new_value(f)
+        for f in spec.model._meta.concrete_fields
+        if getattr(f, "auto_now", False)
+    }
     for delta, group in sorted(by_delta.items()):
         for chunk in batched(group, CHUNK):
-            qs.filter(**{f"{attname}__in": chunk}).update(**{value: models.F(value) + delta})
+            qs.filter(**{f"{attname}__in": chunk}).update(
+                **{value: models.F(value) + delta}, **touch
+            )
             statements += 1
     return applied, statements
 
@@ -317,6 +370,13 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
     applier = APPLIERS.get(connections[using].vendor, _apply_generic)
     applied, statements = applier(spec, keyed, using)
     dropped = [k for k in keyed if k not in applied]
+    if tombs.reusable(spec):
+        # A natural key may come back: what its deleted parent was owed is kept for it,
+        # and taken in by the row of a parent created again.
+        if dropped:
+            tombs.keep(spec, {k: keyed[k] for k in dropped}, using)
+        if applied:
+            tombs.fold(spec, sorted(applied), using)
     if dropped:
         logger.warning(
             "dropped deltas of %s vanished %s keys: %s",
@@ -330,6 +390,51 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
         dropped=len(dropped),
         statements=statements,
     )
+
+
+def capped_keys(keys: list) -> str:
+    return ", ".join(str(k) for k in keys[:LOG_DELTAS])
+
+
+def apply_isolating(
+    deltas: Mapping[str, int], using: str
+) -> tuple[Applied, dict[str, tuple[int, str]]]:
+    """:func:`apply_deltas`, leaving out each member the database refuses on its own.
+
+    Returns what was applied and ``{member: (delta, error)}`` of the deltas
+    that cannot be applied (a value beyond the column's range, an unknown
+    counter), for the quarantine. Errors of the database itself
+    (:data:`DATABASE_ERRORS`) are raised. Call inside a transaction: each
+    attempt runs in a savepoint of its own.
+    """
+    whole = _attempt(deltas, using)
+    if isinstance(whole, Applied):
+        return whole, {}
+    if len(deltas) == 1:
+        return Applied(0, 0, 0, 0), {member: (d, whole) for member, d in deltas.items()}
+    keys = total = dropped = statements = 0
+    refused: dict[str, tuple[int, str]] = {}
+    for member, delta in sorted(deltas.items()):
+        part = _attempt({member: delta}, using)
+        if not isinstance(part, Applied):
+            refused[member] = (delta, part)
+            continue
+        keys += part.keys
+        total += part.deltas
+        dropped += part.dropped
+        statements += part.statements
+    return Applied(keys, total, dropped, statements), refused
+
+
+def _attempt(deltas: Mapping[str, int], using: str) -> Applied | str:
+    """:func:`apply_deltas` in a savepoint; the error line if the deltas were refused."""
+    try:
+        with transaction.atomic(using=using):
+            return apply_deltas(deltas, using)
+    except DATABASE_ERRORS:
+        raise
+    except Exception as exc:
+        return f"{type(exc).__name__}: {first_line(exc)}"[:200]
 
 
 def apply_deltas(deltas: Mapping[str, int], using: str) -> Applied:

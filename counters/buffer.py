@@ -687,6 +687,24 @@ class Buffer:
             refused.extend(fields[name] for name in names)
         return requeued, refused
 
+    def set_aside(self, items: Mapping[str, tuple[int, str]], origin: str) -> None:
+        """Quarantine deltas that never entered Redis: ``{member: (delta, error)}``.
+
+        For a direct write to the database that could not apply them (a value
+        beyond the column's range): they are held like a flush's quarantine,
+        under fields ``"<origin>|<member>"``, so writing them again after a
+        crash writes the same fields.
+        """
+        at = round(time.time(), 3)
+        by_shard: dict[int, dict[str, str]] = defaultdict(dict)
+        for member, (delta, error) in sorted(items.items()):
+            value = {"member": member, "delta": delta, "error": error[:QUARANTINE_ERROR_LIMIT]}
+            by_shard[shard_of(member, self.shards)][f"{origin}|{member}"] = json.dumps(
+                {**value, "at": at}
+            )
+        for shard, fields in sorted(by_shard.items()):  # one slot a command
+            self.client.hset(self.key(shard, "quarantine"), mapping=cast(Any, fields))
+
     def discard(self, entries: Iterable[Quarantined]) -> int:
         """Delete quarantined deltas for good; returns how many were still there."""
         by_shard: dict[int, list[str]] = defaultdict(list)

@@ -190,11 +190,21 @@ def check_redis_reachable(app_configs=None, **kwargs):
 
 @register("counters")
 def check_trackers(app_configs=None, **kwargs):
-    """Every tracked model counts its querysets: E013 for its default manager, W002 for others."""
+    """Every tracked model counts its querysets: E013 for its default manager, W002 for others.
+
+    Each declaration is checked again as ``track()`` checks it (E050 to E054): a
+    counter registered into its column since, or a model changed since.
+    """
+    from .declarations import problems
     from .queryset import CountedQuerySet
     from .tracking import all_trackers, uncounted_manager
 
     messages: list[CheckMessage] = []
+    for tracker in all_trackers():
+        for check_id, refused in problems(tracker):
+            messages.append(
+                Error(f"counter {tracker.name!r}: {refused}", obj=tracker.model, id=check_id)
+            )
     for model in dict.fromkeys(t.model for t in all_trackers()):
         problem = uncounted_manager(model)
         if problem:

@@ -174,3 +174,31 @@ class Outbox(models.Model):
 
     def __str__(self) -> str:
         return f"outbox {self.push_id} ({len(self.deltas or {})} deltas)"
+
+
+class Tombstone(models.Model):
+    """What a counter row held when its parent was deleted, until the key comes back.
+
+    Only for counters keyed by a natural key (a foreign key ``to_field`` that
+    is not an auto-increment), whose values can be used again. When the
+    parent is deleted its counter row goes with it, but the deltas of its
+    children's deletion (``-1`` each) are still buffered: the row's value is
+    kept here, so ``row + tombstone + buffered`` stays the truth. A delta the
+    flush drops because the parent is gone is added here as well (it nets to
+    0 once every delta of the deleted parent is in). A parent created again
+    with the same key takes the tombstone and adds its value to the buffer,
+    in its own transaction: its counter then counts only its own children.
+    """
+
+    counter = models.CharField(max_length=200)
+    key = models.CharField(max_length=255)
+    value = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["counter", "key"], name="counters_tombstone_key")
+        ]
+        verbose_name = "counter tombstone"
+
+    def __str__(self) -> str:
+        return f"{self.counter}:{self.key} {self.value:+d}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from numbers import Number
 from typing import Any, Protocol
 
 from django.apps import apps
@@ -114,7 +115,8 @@ class CounterSpec:
 
         Every path turns keys into members through this, so ``"7"`` and ``7``
         are one counter. Raises :class:`InvalidKey` for a model instance, None,
-        or a value the field cannot hold.
+        a value the field cannot hold, or a number the field would change
+        (``2.7`` for an integer key, which would be 2).
         """
         if isinstance(key, models.Model):
             raise InvalidKey(self.name, key, "a model instance is not a key; pass obj.pk")
@@ -124,11 +126,16 @@ class CounterSpec:
             value = self.to_key(key)
             for check in self._bounds:
                 check(value)
-        except (ValidationError, TypeError, ValueError) as exc:
+        except (ValidationError, TypeError, ValueError, OverflowError) as exc:
             reason = "; ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
             raise InvalidKey(self.name, key, reason) from None
         if value is None:
             raise InvalidKey(self.name, key, "None is not a key")
+        if isinstance(key, Number) and not isinstance(key, int) and value != key:
+            # int(2.7) is 2: another counter than the one meant
+            raise InvalidKey(
+                self.name, key, f"not exactly a value of the key field (it would be {value!r})"
+            )
         return value
 
     def member(self, key: Any) -> str:

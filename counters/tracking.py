@@ -29,8 +29,8 @@ from django.core.exceptions import FieldDoesNotExist
 from django.db import models
 from django.db.models import Q
 
-from . import registry
-from .exceptions import TrackingError
+from . import declarations, registry
+from .exceptions import TrackingError, UnknownCounter
 from .utils import concrete_model, related_model, target_field
 from .where import Predicate, WhereError, compile_where
 
@@ -45,6 +45,11 @@ CHECK_IDS = {
     "counters.E014": "a counter name already registered with other arguments",
     "counters.E015": "an into model with no key field matching the key",
     "counters.E016": "an invalid counter name",
+    "counters.E050": "an into model with a NOT NULL column the flush cannot fill",
+    "counters.E051": "a key, amount or where on a generated field",
+    "counters.E052": "a source or into model with a composite primary key",
+    "counters.E053": "a counter column that already holds another counter",
+    "counters.E054": "a key whose values are not values of the into model's key field",
 }
 
 Row = Mapping[str, Any]
@@ -192,6 +197,8 @@ def track(
         condition=condition,
         attnames=tuple(attnames),
     )
+    for check_id, problem in declarations.refusals(tracker, into_model, into_key, value_field):
+        raise TrackingError(check_id, name, problem)
     existing = _trackers.get(name)
     if existing is not None:
         if existing.signature == tracker.signature:
@@ -199,6 +206,13 @@ def track(
         raise TrackingError(
             "counters.E014", name, f"already tracked with other arguments {existing.signature}"
         )
+    shared = (
+        None
+        if _registered(name)
+        else declarations.shared_column(name, into_model, value_field.name)
+    )
+    if shared:
+        raise TrackingError("counters.E053", name, shared)
     from .truth import QueryTruth
 
     try:
@@ -216,8 +230,16 @@ def track(
     return tracker
 
 
+def _registered(name: str) -> bool:
+    try:
+        registry.get_spec(name)
+    except UnknownCounter:
+        return False
+    return True
+
+
 def _add(tracker: Tracker) -> None:
-    from . import counting, signals
+    from . import counting, signals, tombs
 
     model = tracker.model
     _trackers[tracker.name] = tracker
@@ -229,6 +251,9 @@ def _add(tracker: Tracker) -> None:
     _names[model] = frozenset({f.name for f in fields} | {f.attname for f in fields})
     counting.install_save(model)
     signals.connect_model(model)
+    spec = tracker.spec
+    if tombs.reusable(spec) and spec.target_model is not None:
+        tombs.connect(spec.target_model)
     logger.debug("tracking %s: %s", tracker.name, tracker.signature)
 
 

@@ -76,3 +76,8 @@ def column(field: models.Field[Any, Any]) -> str:
     if field.column is None:
         raise TypeError(f"{field} has no column")
     return field.column
+
+
+def stamped(field: models.Field[Any, Any]) -> bool:
+    """Whether ``save()`` fills ``field`` with the current time (``auto_now``/``auto_now_add``)."""
+    return bool(getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False))

@@ -247,7 +247,7 @@ def write_direct(
     it is already gone (a flush pushed it), nothing is written.
     """
     global fallback_count
-    from .apply import apply_deltas
+    from .apply import apply_isolating
     from .models import FALLBACK_PREFIX, FlushBatch
 
     batch_id = f"{FALLBACK_PREFIX}{push_id or uuid.uuid4().hex}"
@@ -261,8 +261,9 @@ def write_direct(
             with transaction.atomic(using=using):
                 # Gone: a flush took the row and counted the deltas through Redis.
                 mine = outbox is None or _claim_outbox(outbox, using)
+                refused: dict[str, tuple[int, str]] = {}
                 if mine:
-                    applied = apply_deltas(deltas, using)
+                    applied, refused = apply_isolating(deltas, using)
                     ledger.create(
                         batch_id=batch_id,
                         kind=FlushBatch.Kind.FALLBACK,
@@ -273,6 +274,8 @@ def write_direct(
                     )
             if manual:
                 conn.commit()
+            if refused:
+                set_aside(refused, using, batch_id)
             if not mine:
                 return
             fallback_count += 1
@@ -296,6 +299,36 @@ def write_direct(
                 conn.rollback()
             logger.exception("could not write %s deltas to the DB: %r", len(deltas), capped(deltas))
             return
+
+
+def set_aside(refused: dict[str, tuple[int, str]], using: str, origin: str) -> None:
+    """Quarantine ``{member: (delta, error)}`` that a direct write could not apply.
+
+    They never entered Redis (a delta too large for a score, or Redis was
+    down), and the database refused them (a value beyond the column's range):
+    like a flush's poison deltas they are held in the quarantine, shown by
+    ``counters_status``, until retried or discarded. Only if Redis cannot
+    take them either are they lost, logged with their values.
+    """
+    deltas = {member: delta for member, (delta, _) in refused.items()}
+    errors = sorted({error for _, error in refused.values()})
+    try:
+        get_buffer(using).set_aside(refused, origin)
+    except RedisError:
+        logger.exception(
+            "could not quarantine %s deltas the DB refused (%s); lost: %r",
+            len(refused),
+            "; ".join(errors),
+            capped(deltas),
+        )
+        return
+    logger.error(
+        "quarantined %s deltas the DB refused (%s): %s; see counters_status, then "
+        "counters_flush --retry-quarantined or --discard-quarantined",
+        len(refused),
+        "; ".join(errors),
+        capped(deltas),
+    )
 
 
 def _claim_outbox(push_id: str, using: str) -> bool:

@@ -109,7 +109,7 @@ def test_an_uncounted_second_manager_is_a_warning():
         class Meta:
             app_label = "blog"
 
-    counters.track("votes", Vote, key="post", into="blog.PostStats.points")
+    counters.track("votes", Vote, key="post", into="blog.DeclTally.votes")
     found = [m for m in run_checks(tags=["counters"]) if m.id.startswith("counters.")]
     assert [(m.id, m.obj) for m in found] == [("counters.W002", Vote)]
     assert "blog.Vote.everything is not counted" in found[0].msg
