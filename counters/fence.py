@@ -110,7 +110,9 @@ class RepairLease(Lease):
 
     ``fence`` is the token of the current holding (None before the first).
     Renewing a lease still held keeps the token; taking it again after it
-    was lost takes a new one.
+    was lost takes a new one. Take it before the first reading, and only
+    then: a holder that lost it mid-work must not take it again and go on
+    with readings from before (its new token would hide them).
     """
 
     def __init__(self, client: Client, key: str, ttl: float, *, prefix: str, using: str) -> None:
