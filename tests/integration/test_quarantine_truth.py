@@ -22,7 +22,11 @@ from counters.models import AuditRepair
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
 
 QUICK = 0.02  # seconds between confirming readings: nothing else writes in these tests
 USERS = 100
