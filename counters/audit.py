@@ -20,7 +20,9 @@ data (the moment drift is most likely), each database alias has its own,
 and the admin shows it. A run holds the rebuild lease of the alias's key
 prefix (:func:`counters.rebuild.rebuild_lease`), so it never overlaps a full
 rebuild, a repair of keys read below zero, or another audit; a run that
-finds the lease taken does nothing.
+finds the lease taken does nothing. Its repairs check the lease's fencing
+token in their transaction (:mod:`counters.fence`): a run that stalled past
+its lease while another repairer took over stops, having repaired nothing more.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from django.db.models import Count, Max
 from django.utils import timezone
 from redis import RedisError
@@ -39,7 +41,8 @@ from redis import RedisError
 from . import conf, metrics
 from .buffer import Buffer
 from .client import databases, get_buffer
-from .exceptions import BufferUnavailable, InvalidKey
+from .exceptions import BufferUnavailable, InvalidKey, RepairFenced
+from .fence import Fence, fenced
 from .models import AuditCursor, AuditRepair
 from .rebuild import (
     Drift,
@@ -157,8 +160,8 @@ class _Hold:
     the lease held without it.
     """
 
-    def __init__(self, buffer: Buffer) -> None:
-        self.lease = rebuild_lease(buffer)
+    def __init__(self, buffer: Buffer, using: str) -> None:
+        self.lease = rebuild_lease(buffer, using)
         self.client = buffer.client
         self.mark = audit_holder_key(buffer)
 
@@ -166,6 +169,12 @@ class _Hold:
         if self.lease.acquire():
             self.client.set(self.mark, self.lease.token, px=self.lease.ttl_ms)
         return self
+
+    @property
+    def fence(self) -> Fence:
+        """The fencing token taken with the lease."""
+        assert self.lease.fence is not None, "the lease is not held"
+        return self.lease.fence
 
     def extend(self) -> None:
         """Renew the lease and the mark; raises :class:`_LeaseLost` if the lease is gone."""
@@ -222,7 +231,7 @@ def audit(
     started = time.monotonic()
     buffer = get_buffer(using)
     try:
-        with _Hold(buffer) as hold:
+        with _Hold(buffer, using) as hold:
             lease = hold.lease
             if not lease.held:
                 result.skipped = f"a rebuild or another audit holds {lease.key}"
@@ -235,6 +244,9 @@ def audit(
             except _LeaseLost:
                 result.stopped = f"the lease {lease.key} expired"
                 logger.warning("audit of %r stopped: its lease %s expired", using, lease.key)
+            except RepairFenced as exc:
+                result.stopped = f"the lease {lease.key} was lost: {exc}"
+                logger.warning("audit of %r stopped: %s", using, exc)
             if any(c.sweep_done for c in result.counters):
                 _prune(using)
     except RedisError as exc:
@@ -327,7 +339,7 @@ def _audit_counter(
                 after, restarted = None, True
                 continue
             if page:
-                _check_page(spec, page, report, confirm_delay, using)
+                _check_page(spec, page, report, confirm_delay, hold.fence, using)
                 if report.first is None:
                     report.first = page[0]
                 report.last = after = page[-1]
@@ -345,10 +357,15 @@ def _audit_counter(
 
 
 def _check_page(
-    spec: CounterSpec, page: list[Any], report: CounterAudit, confirm_delay: float, using: str
+    spec: CounterSpec,
+    page: list[Any],
+    report: CounterAudit,
+    confirm_delay: float,
+    fence: Fence,
+    using: str,
 ) -> None:
     def repair(confirmed: dict[Any, Drift]) -> None:
-        record_repairs(spec, list(confirmed.values()), using)
+        record_repairs(spec, list(confirmed.values()), using, fence)
         report.repaired.extend(confirmed.values())
 
     _, unstable = confirm_drifts(
@@ -358,11 +375,13 @@ def _check_page(
     report.unstable.extend(unstable)
 
 
-def record_repairs(spec: CounterSpec, drifts: list[Drift], using: str) -> None:
+def record_repairs(spec: CounterSpec, drifts: list[Drift], using: str, fence: Fence) -> None:
     """Repair ``drifts`` through the delta path, recorded and logged.
 
-    The repair records and the deltas belong to one transaction: the deltas
-    are sent after its COMMIT like every other change.
+    The repair records and the deltas belong to one transaction, which
+    checks ``fence`` first (raising :class:`RepairFenced`, nothing changed,
+    when a newer repairer took over): the deltas are sent after its COMMIT
+    like every other change.
     """
     rows = [
         AuditRepair(
@@ -374,7 +393,7 @@ def record_repairs(spec: CounterSpec, drifts: list[Drift], using: str) -> None:
         )
         for d in drifts
     ]
-    with transaction.atomic(using=using):
+    with fenced(fence):
         AuditRepair.objects.using(using).bulk_create(rows)
         add_many(spec.name, {d.key: -d.error for d in drifts}, using=using)
     metrics.drift(spec.name, len(drifts), len(drifts), using=using)

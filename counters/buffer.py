@@ -21,6 +21,8 @@ each script touches one Redis Cluster slot)::
                                        writer, however many pushes (writers.py)
     <prefix>:{sN}:quarantine     HASH  "<batch id>|<member>" -> JSON {member, delta, error, at}:
                                        deltas that failed alone, kept until retried or discarded
+    <prefix>:{sN}:qsum           ZSET  member -> sum of its quarantined deltas, kept with the
+                                       quarantine by the same scripts: reads count it as buffered
 
 Per prefix (no hash tag, single-key commands only)::
 
@@ -177,15 +179,16 @@ end
 return 0
 """
 
-# Snapshot for reads: generation, batch id in flight, pending and in-flight score per member,
-# then the high-water mark of each writer KEYS[6..] ('0' when absent).
+# Snapshot for reads: generation, batch id in flight, pending, in-flight and quarantined sum
+# per member, then the high-water mark of each writer KEYS[7..] ('0' when absent).
 READ_SCRIPT = """
-local pending, inflight, batch, gen = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local members, first_writer = ARGV, 6
+local pending, inflight, batch, gen, qsum = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6]
+local members, first_writer = ARGV, 7
 local out = {redis.call('GET', gen) or '0', redis.call('HGET', batch, 'id') or ''}
 for _, member in ipairs(members) do
   out[#out + 1] = redis.call('ZSCORE', pending, member) or '0'
   out[#out + 1] = redis.call('ZSCORE', inflight, member) or '0'
+  out[#out + 1] = redis.call('ZSCORE', qsum, member) or '0'
 end
 for i = first_writer, #KEYS do
   out[#out + 1] = redis.call('HGET', KEYS[i], 'seq') or '0'
@@ -221,30 +224,36 @@ redis.call('INCR', gen)
 return {1, redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES')}
 """
 
-# Quarantine in-flight batch ARGV[1]: store fields ARGV[2], ARGV[4].. with values ARGV[3], ARGV[5]..
-# and forget the batch, if it is still the batch in flight; 1 if so, else 0.
+# Quarantine in-flight batch ARGV[1]: for each (field, value, member, delta) in ARGV[2..], store
+# the field and add delta to the member's quarantined sum KEYS[5]; forget the batch. Only if it
+# is still the batch in flight; 1 if so, else 0.
 QUARANTINE_SCRIPT = """
-local inflight, batch, gen, quarantine = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local inflight, batch, gen, quarantine, qsum = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local batch_id = ARGV[1]
 if redis.call('HGET', batch, 'id') ~= batch_id then return 0 end
-for i = 2, #ARGV, 2 do
-  redis.call('HSET', quarantine, ARGV[i], ARGV[i + 1])
+for i = 2, #ARGV, 4 do
+  if redis.call('HSET', quarantine, ARGV[i], ARGV[i + 1]) == 1 then
+    if tonumber(redis.call('ZINCRBY', qsum, ARGV[i + 3], ARGV[i + 2])) == 0 then
+      redis.call('ZREM', qsum, ARGV[i + 2])
+    end
+  end
 end
 redis.call('DEL', inflight, batch)
 redis.call('INCR', gen)
 return 1
 """
 
-# Put quarantined deltas back: for each (field, member, delta) in ARGV[2..] whose field is
-# still quarantined, add delta to the pending member and drop the field, unless the sum would
-# leave the exact range of a score; returns {requeued count, refused fields...}.
+# Put quarantined deltas back: for each (field, member, delta, uncount) in ARGV[2..] whose
+# field is still quarantined, add delta to the pending member, uncount (minus the part of delta
+# in the member's quarantined sum KEYS[4]) to that sum and drop the field, unless the pending
+# sum would leave the exact range of a score; returns {requeued count, refused fields...}.
 REQUEUE_SCRIPT = """
-local pending, quarantine, since = KEYS[1], KEYS[2], KEYS[3]
+local pending, quarantine, since, qsum = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local now_ms = ARGV[1]
 local limit = 9007199254740992
 local out = {0}
-for i = 2, #ARGV, 3 do
-  local field, member, delta = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+for i = 2, #ARGV, 4 do
+  local field, member, delta, uncount = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   if redis.call('HEXISTS', quarantine, field) == 1 then
     local sum = tonumber(redis.call('ZSCORE', pending, member) or '0') + tonumber(delta)
     if sum >= limit or sum <= -limit then
@@ -254,12 +263,35 @@ for i = 2, #ARGV, 3 do
       if tonumber(redis.call('ZINCRBY', pending, delta, member)) == 0 then
         redis.call('ZREM', pending, member)
       end
+      if tonumber(uncount) ~= 0 and tonumber(redis.call('ZINCRBY', qsum, uncount, member)) == 0
+      then
+        redis.call('ZREM', qsum, member)
+      end
       out[1] = out[1] + 1
     end
   end
 end
 if out[1] > 0 then redis.call('SET', since, now_ms, 'NX') end
 return out
+"""
+
+# Drop quarantined deltas for good: for each (field, member, uncount) in ARGV whose field is
+# still quarantined, drop it and add uncount (minus the part of its delta in the member's
+# quarantined sum) to the quarantined sum KEYS[2]; returns how many were dropped.
+DISCARD_SCRIPT = """
+local quarantine, qsum = KEYS[1], KEYS[2]
+local dropped = 0
+for i = 1, #ARGV, 3 do
+  local field, member, uncount = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if redis.call('HDEL', quarantine, field) == 1 then
+    dropped = dropped + 1
+    if tonumber(uncount) ~= 0 and tonumber(redis.call('ZINCRBY', qsum, uncount, member)) == 0
+    then
+      redis.call('ZREM', qsum, member)
+    end
+  end
+end
+return dropped
 """
 
 #: A push delivered later than this after it was sent is refused (a late TCP delivery
@@ -307,6 +339,8 @@ class Snapshot:
     pending: dict[str, int]
     inflight: dict[str, int]
     hwms: dict[tuple[int, str], int] = field(default_factory=dict)
+    #: Sum of each member's quarantined deltas: not applied, not lost, part of its value.
+    quarantined: dict[str, int] = field(default_factory=dict)
 
     def applied(self, shard: int, push_id: PushId | str) -> bool:
         """Did push ``push_id`` apply in ``shard``? (For the last push of its writer:
@@ -321,7 +355,8 @@ class Quarantined:
 
     ``field`` is its key in the hash, ``"<batch id>|<member>"``: the batch
     it failed in makes it unique, and quarantining it again after a crash
-    writes the same field.
+    writes the same field. ``counted`` says the delta is in its member's
+    quarantined sum (``qsum``), as every delta quarantined since that sum exists is.
     """
 
     shard: int
@@ -330,6 +365,12 @@ class Quarantined:
     delta: int
     error: str
     at: float
+    counted: bool = True
+
+    @property
+    def uncount(self) -> int:
+        """What taking it out of the quarantine adds to its member's quarantined sum."""
+        return -self.delta if self.counted else 0
 
     @property
     def counter(self) -> str:
@@ -367,6 +408,7 @@ class Buffer:
         self._push = client.register_script(PUSH_SCRIPT)
         self._read = client.register_script(READ_SCRIPT)
         self._requeue = client.register_script(REQUEUE_SCRIPT)
+        self._discard = DrainScript(client, DISCARD_SCRIPT)
         # The drain path: these run even when Redis is at maxmemory (see scripts.py).
         self._move = DrainScript(client, MOVE_SCRIPT)
         self._ack = DrainScript(client, ACK_SCRIPT)
@@ -615,13 +657,14 @@ class Buffer:
             self.key(shard, "batch"),
             self.key(shard, "gen"),
             self.key(shard, "quarantine"),
+            self.key(shard, "qsum"),
         ]
         error = error[:QUARANTINE_ERROR_LIMIT]
         at = round(time.time(), 3)
-        args: list[str] = [batch.batch_id]
+        args: list[str | int] = [batch.batch_id]
         for member, delta in sorted(batch.items.items()):
-            value = {"member": member, "delta": delta, "error": error, "at": at}
-            args.extend((f"{batch.batch_id}|{member}", json.dumps(value)))
+            value = {"member": member, "delta": delta, "error": error, "at": at, "counted": True}
+            args.extend((f"{batch.batch_id}|{member}", json.dumps(value), member, delta))
         reply = self._quarantine(keys=keys, args=args)
         if reply not in (0, 1):
             raise UnexpectedScriptReply("QUARANTINE_SCRIPT", reply)
@@ -645,6 +688,7 @@ class Buffer:
                         delta=int(data["delta"]),
                         error=str(data.get("error", "")),
                         at=float(data.get("at", 0)),
+                        counted=bool(data.get("counted", False)),
                     )
                 )
         entries.sort(key=lambda e: (e.at, e.field))
@@ -669,8 +713,9 @@ class Buffer:
                     self.key(shard, "pending"),
                     self.key(shard, "quarantine"),
                     self.key(shard, "since"),
+                    self.key(shard, "qsum"),
                 ],
-                [now_ms, *(x for e in group for x in (e.field, e.member, e.delta))],
+                [now_ms, *(x for e in group for x in (e.field, e.member, e.delta, e.uncount))],
             )
             for shard, group in by_shard.items()
         ]
@@ -707,15 +752,22 @@ class Buffer:
 
     def discard(self, entries: Iterable[Quarantined]) -> int:
         """Delete quarantined deltas for good; returns how many were still there."""
-        by_shard: dict[int, list[str]] = defaultdict(list)
+        by_shard: dict[int, list[Quarantined]] = defaultdict(list)
         for entry in entries:
-            by_shard[entry.shard].append(entry.field)
+            by_shard[entry.shard].append(entry)
         if not by_shard:
             return 0
-        pipe = self.client.pipeline(transaction=False)
-        for shard, fields in by_shard.items():
-            pipe.hdel(self.key(shard, "quarantine"), *fields)
-        return sum(int(n) for n in pipe.execute())
+        calls = [
+            (
+                [self.key(shard, "quarantine"), self.key(shard, "qsum")],
+                [x for e in group for x in (e.field, e.member, e.uncount)],
+            )
+            for shard, group in by_shard.items()
+        ]
+        replies = self._run(self._discard, calls)
+        if not all(isinstance(n, int) for n in replies):
+            raise UnexpectedScriptReply("DISCARD_SCRIPT", replies)
+        return sum(replies)
 
     def inflight_ids(self) -> dict[int, str]:
         """Batch id in flight per shard, for shards that have one."""
@@ -726,26 +778,31 @@ class Buffer:
 
     # -- read path ------------------------------------------------------------
     def snapshot(self, members: Iterable[str], push_ids: Iterable[PushId | str] = ()) -> Snapshot:
-        """Pending and in-flight deltas of ``members``, each shard read atomically,
+        """Pending, in-flight and quarantined deltas of ``members``, each shard read atomically,
         with the high-water marks of the writers of ``push_ids`` (and of their
         take-backs) in those shards: see :meth:`Snapshot.applied`."""
         groups = self.by_shard(members)
         ids = [PushId.of(p) for p in push_ids]
         names = list(dict.fromkeys(w for p in ids for w in (p.writer, p.undo().writer)))
         calls = [
-            (self._shard_keys(shard) + [self.writer_key(shard, w) for w in names], group)
+            (
+                [*self._shard_keys(shard), self.key(shard, "qsum")]
+                + [self.writer_key(shard, w) for w in names],
+                group,
+            )
             for shard, group in groups.items()
         ]
         replies = self._run(self._read, calls)
-        snap = Snapshot({}, {}, {}, {}, {})
+        snap = Snapshot({}, {}, {}, {}, {}, {})
         for (shard, group), reply in zip(groups.items(), replies, strict=True):
             snap.gens[shard] = _int(reply[0])
             if reply[1]:
                 snap.inflight_ids[shard] = to_str(reply[1])
             for i, member in enumerate(group):
-                snap.pending[member] = _int(reply[2 + 2 * i])
-                snap.inflight[member] = _int(reply[3 + 2 * i])
-            offset = 2 + 2 * len(group)
+                snap.pending[member] = _int(reply[2 + 3 * i])
+                snap.inflight[member] = _int(reply[3 + 3 * i])
+                snap.quarantined[member] = _int(reply[4 + 3 * i])
+            offset = 2 + 3 * len(group)
             for i, name in enumerate(names):
                 snap.hwms[(shard, name)] = _int(reply[offset + i])
         return snap

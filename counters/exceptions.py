@@ -138,6 +138,22 @@ class RebuildRunning(CountersError):
         )
 
 
+class RepairFenced(CountersError):
+    """A repair was refused: a newer repairer of ``prefix`` took the fence since ``token``.
+
+    The repairer lost its lease (it stalled, or ran past it) and another one
+    took over; its repair changed nothing, and it must stop.
+    """
+
+    def __init__(self, prefix: str, token: int) -> None:
+        self.prefix = prefix
+        self.token = token
+        super().__init__(
+            f"repair refused: a newer repairer of prefix {prefix!r} took over since fencing "
+            f"token {token} (this one lost its lease); nothing was changed"
+        )
+
+
 class TrackingError(CountersError, ImproperlyConfigured):
     """``counters.track()`` refused counter ``counter``: ``problem``, system check ``check_id``."""
 

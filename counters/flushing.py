@@ -21,9 +21,9 @@ from redis.exceptions import OutOfMemoryError
 from . import conf, metrics, quarantine, sender
 from .buffer import Buffer
 from .client import databases, get_buffer
-from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning
+from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning, RepairFenced
 from .outbox import drain as drain_outbox
-from .rebuild import rebuild_all, repair_queued
+from .rebuild import rebuild_all, rebuild_lease, repair_queued, wait_for_audit
 from .settle import settle_fallbacks
 from .utils import first_line
 
@@ -46,7 +46,9 @@ def flush(
     Without ``using``, every database of :func:`databases` is flushed (see
     :func:`flush_databases`) and the result is their sum.
     ``retry_quarantined`` first puts the quarantined deltas back into the
-    buffer, ``discard_quarantined`` drops them (see ``counters.quarantine``).
+    buffer, ``discard_quarantined`` drops them (see ``counters.quarantine``),
+    under the rebuild lease and its fence: :class:`RebuildRunning` is raised,
+    before anything is done, while a rebuild or repair holds it.
     Then rebuilds the keys queued by reads below zero, and, while Redis data
     loss is not repaired yet ("rebuild needed") and ``COUNTERS_AUTO_REBUILD``
     is on, runs the full rebuild. ``result.rebuild_needed_since`` tells if
@@ -66,8 +68,9 @@ def flush(
         return added_up(list(results.values()))
     buffer = get_buffer(using)
     try:
-        requeued = quarantine.retry(buffer) if retry_quarantined else 0
-        discarded = quarantine.discard(buffer) if discard_quarantined else 0
+        requeued, discarded = settle_quarantine(
+            buffer, using, retry=retry_quarantined, discard=discard_quarantined
+        )
         # Fence late pushes first, so that what they added and what takes it
         # back cancel out in the pending set before this flush moves it.
         compensated = settle_fallbacks(buffer, using)
@@ -156,6 +159,28 @@ def added_up(results: list[FlushResult]) -> FlushResult:
     return total
 
 
+def settle_quarantine(buffer: Buffer, using: str, *, retry: bool, discard: bool) -> tuple[int, int]:
+    """Retry or discard the quarantine of ``buffer`` as a fenced repair; (requeued, discarded).
+
+    Takes the rebuild lease (waiting for an audit run to end) and applies
+    under its fencing token. Raises :class:`RebuildRunning` when a rebuild or
+    another repair holds the lease, or took it over: the quarantine is left
+    as it is, and the operator runs it again later.
+    """
+    if not (retry or discard):
+        return 0, 0
+    with rebuild_lease(buffer, using) as lease:
+        if not lease.held and not wait_for_audit(buffer, lease):
+            raise RebuildRunning(lease.key)
+        assert lease.fence is not None
+        try:
+            if retry:
+                return quarantine.retry(buffer, lease.fence), 0
+            return 0, quarantine.discard(buffer, lease.fence)
+        except RepairFenced as exc:
+            raise RebuildRunning(lease.key) from exc
+
+
 def needed_since(buffer: Buffer, using: str) -> str | None:
     """When counters of ``using`` became wrong through a Redis data loss (ISO), or None."""
     from .epoch import rebuild_needed_since
@@ -170,6 +195,9 @@ def auto_rebuild(using: str) -> bool:
         reports = rebuild_all(using=using)
     except RebuildRunning:
         logger.info("automatic rebuild skipped: another rebuild is running")
+        return False
+    except RepairFenced as exc:
+        logger.warning("automatic rebuild stopped: %s", exc)
         return False
     for report in reports:
         logger.warning("automatic rebuild after Redis data loss: %s", report.summary())

@@ -202,3 +202,26 @@ class Tombstone(models.Model):
 
     def __str__(self) -> str:
         return f"{self.counter}:{self.key} {self.value:+d}"
+
+
+class RepairFence(models.Model):
+    """The fencing token of the repairs of one key prefix, in the database they repair.
+
+    Every repairer (an audit run, a rebuild, a retry or discard of the
+    quarantine) takes the next token when it takes the rebuild lease, and
+    each of its repairs runs in a transaction that first locks this row and
+    checks that ``token`` is still its own (:mod:`counters.fence`). A repairer
+    that stalled past its lease while another took a newer token changes
+    nothing: the Redis lease says who should act, this row decides who can.
+    """
+
+    prefix = models.CharField(max_length=100, primary_key=True)
+    token = models.BigIntegerField(default=0, help_text="The newest token issued.")
+    issued_at = models.DateTimeField(default=timezone.now, help_text="When it was issued.")
+
+    class Meta:
+        ordering = ["prefix"]
+        verbose_name = "repair fence"
+
+    def __str__(self) -> str:
+        return f"{self.prefix}: token {self.token}"

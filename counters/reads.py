@@ -1,5 +1,12 @@
 """The read path: a counter's exact value is its row plus what is still buffered.
 
+Buffered is pending, in flight (unless its batch is in the ledger) and
+quarantined: a quarantined delta is a committed change that could not be
+applied yet, part of the value until it is retried (and applied) or
+discarded. The audit and the rebuild compare this same value with the
+truth, so they never "repair" a quarantined delta that a retry then
+applies a second time.
+
 One reading takes a Redis snapshot of the members (pending, in flight, the
 batch id in flight, the shard's generation), then one DB statement (the rows,
 which in-flight batch ids the ledger has, and the direct writes whose Redis
@@ -51,7 +58,7 @@ class _Rows:
 
 
 def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict[Any, int]:
-    """Exact current values: stored row + pending + in-flight unless already applied.
+    """Exact current values: stored row + pending + in-flight unless already applied + quarantined.
 
     If Redis is unreachable the stored rows are returned: changes made while
     Redis is down are written to the rows directly, so they are the best answer
@@ -123,7 +130,13 @@ def get_parts(
         member = spec.member(value)
         shard = buffer.shard_of(member)
         inflight = 0 if snap.inflight_ids.get(shard) in rows.applied else snap.inflight[member]
-        buffered = snap.pending[member] + inflight + own.get(member, 0) - twice.get(member, 0)
+        buffered = (
+            snap.pending[member]
+            + inflight
+            + snap.quarantined[member]
+            + own.get(member, 0)
+            - twice.get(member, 0)
+        )
         parts[key] = (rows.stored.get(value, 0), buffered)
     return parts
 

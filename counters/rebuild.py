@@ -9,7 +9,10 @@ for a moment, so a difference is repaired only once ``CONFIRM_READINGS``
 readings in a row, each a delay longer than that apart, showed the same one:
 then ``truth - exact`` is added through ``add_many()`` like any other change.
 Writers and flushers can keep running; a key that never gives such readings
-is reported as unstable, never guessed at.
+is reported as unstable, never guessed at. Each repair runs in a transaction
+that checks the rebuild's fencing token (:mod:`counters.fence`): a rebuild
+that stalled past its lease while another repairer took over repairs
+nothing more and raises :class:`~counters.exceptions.RepairFenced`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from redis import RedisError
 from . import conf, metrics, outbox, reads, repair
 from .buffer import Buffer
 from .client import get_buffer
-from .exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
+from .exceptions import (
+    BufferUnavailable,
+    CountersError,
+    RebuildRunning,
+    RepairFenced,
+    UnknownCounter,
+)
+from .fence import Fence, RepairLease, fenced, take
 from .lease import Lease
 from .registry import CounterSpec, TruthSource, all_specs, get_spec, parse_member
 from .utils import batched
@@ -193,11 +203,15 @@ def rebuild(
     confirm_delay: float | None = None,
     progress: Progress | None = None,
     using: str = DEFAULT_DB_ALIAS,
+    fence: Fence | None = None,
 ) -> RebuildReport:
     """Check every key of counter ``name`` (or only ``keys``) and repair the wrong ones.
 
-    Raises :class:`BufferUnavailable` if Redis is down: without the buffered
-    deltas the exact values are unknown, and a repair would be a guess.
+    Repairs are fenced by ``fence``, the token of the rebuild lease the
+    caller holds; without one, a token of its own is taken before the first
+    reading. Raises :class:`BufferUnavailable` if Redis is down: without the
+    buffered deltas the exact values are unknown, and a repair would be a
+    guess. Raises :class:`RepairFenced` once a newer repairer took over.
     """
     spec = get_spec(name)
     if spec.source is None:
@@ -209,9 +223,13 @@ def rebuild(
     total = len(keys) if keys is not None else spec.source.estimate(using=using)
     report = RebuildReport(counter=name, dry_run=dry_run)
     started = time.monotonic()
+    if fence is None and not dry_run:
+        fence = take(get_buffer(using).prefix, using)
 
     def repair(confirmed: dict[Any, Drift]) -> None:
-        add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
+        assert fence is not None
+        with fenced(fence):
+            add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
         report.repaired += len(confirmed)
 
     for page in _pages(spec, keys, batch_size, using):
@@ -232,15 +250,23 @@ def rebuild(
     return report
 
 
-def rebuild_lease(buffer: Buffer) -> Lease:
+def rebuild_lease(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> RepairLease:
     """The lease that keeps full rebuilds, repairs and audits of one prefix from overlapping.
 
     Two of them confirming the same drift at once would both repair it. The
     lease outlives one page of a rebuild (its confirmation rounds included)
-    and is extended after each page.
+    and is extended after each page. Taking it takes a fencing token in
+    database ``using`` (``lease.fence``), which the holder's repairs check:
+    a holder that outlived its lease repairs nothing.
     """
     page = CONFIRM_ROUNDS * default_confirm_delay()
-    return Lease(buffer.client, f"{buffer.prefix}:rebuild", conf.lease_timeout() + page)
+    return RepairLease(
+        buffer.client,
+        f"{buffer.prefix}:rebuild",
+        conf.lease_timeout() + page,
+        prefix=buffer.prefix,
+        using=using,
+    )
 
 
 def audit_holder_key(buffer: Buffer) -> str:
@@ -279,7 +305,7 @@ def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int | No
     key = repair.queue_key(buffer)
     if not buffer.client.exists(key):
         return 0
-    with rebuild_lease(buffer) as lease:
+    with rebuild_lease(buffer, using) as lease:
         if not lease.held:
             return 0  # a rebuild is running; the keys wait for the next flush
         raw = cast(list[bytes], buffer.client.srandmember(key, limit or conf.batch_size()))
@@ -299,11 +325,14 @@ def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int | No
                 continue
             by_counter.setdefault(spec.name, {})[counter_key] = member
         repaired = 0
-        for name, members in by_counter.items():
-            report = rebuild(name, keys=list(members), using=using)
-            repaired += report.repaired
-            if report.wrong or report.unstable:
-                logger.warning("repair of keys read below zero: %s", report.summary())
+        try:
+            for name, members in by_counter.items():
+                report = rebuild(name, keys=list(members), using=using, fence=lease.fence)
+                repaired += report.repaired
+                if report.wrong or report.unstable:
+                    logger.warning("repair of keys read below zero: %s", report.summary())
+        except RepairFenced:
+            return repaired  # another repairer took over: the keys stay queued
         buffer.client.srem(key, *raw)
         return repaired
 
@@ -320,13 +349,14 @@ def rebuild_all(
     repaired, and their "rebuild needed" mark is cleared. Keys that kept
     changing are queued for the next flush to repair. Raises
     :class:`RebuildRunning` if another full rebuild or repair of this prefix
-    is running.
+    is running, and :class:`RepairFenced` if this one outlived its lease and
+    another repairer took over (the rebuild is then not complete).
     """
     from .epoch import clear_rebuild_needed
 
     buffer = get_buffer(using)
     try:
-        with rebuild_lease(buffer) as lease:
+        with rebuild_lease(buffer, using) as lease:
             if not lease.held and not wait_for_audit(buffer, lease):
                 raise RebuildRunning(lease.key)
 
@@ -341,7 +371,11 @@ def rebuild_all(
             for spec in all_specs():
                 if spec.source is not None:
                     report = rebuild(
-                        spec.name, batch_size=batch_size, progress=page_done, using=using
+                        spec.name,
+                        batch_size=batch_size,
+                        progress=page_done,
+                        using=using,
+                        fence=lease.fence,
                     )
                     logger.info("full rebuild: %s", report.summary())
                     reports.append(report)

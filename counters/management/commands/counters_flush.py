@@ -14,7 +14,9 @@ Exit status:
 ``--database`` flushes only that alias; without it, every alias of
 ``counters.client.databases()``. ``--retry-quarantined`` first puts the deltas
 the quarantine holds back into the buffer (a delta that fails again is
-quarantined again); ``--discard-quarantined`` drops them for good.
+quarantined again); ``--discard-quarantined`` drops them for good. Both are
+fenced repairs: while a rebuild holds the rebuild lease they change nothing
+and the command exits 1.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Command(OneLineFailures):
         quarantined.add_argument(
             "--discard-quarantined",
             action="store_true",
-            help="Drop the quarantined deltas for good (after a rebuild repaired their counts).",
+            help="Drop the quarantined deltas for good (the audit repairs from the truth).",
         )
 
     def handle(self, *args, **options) -> None:

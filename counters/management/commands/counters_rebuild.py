@@ -29,6 +29,7 @@ from redis import RedisError
 
 from counters import api, conf, epoch
 from counters.exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
+from counters.fence import Fence
 from counters.management.commands._failures import OneLineFailures, failure
 from counters.rebuild import RebuildReport, rebuild, wait_for_audit
 from counters.registry import all_specs, get_spec
@@ -150,7 +151,9 @@ class Command(OneLineFailures):
         """Rebuild ``names`` (or only ``keys`` of them); a repair holds the rebuild lease,
         so that it never overlaps a full rebuild or an audit that could repair the same key."""
 
-        def run(page_done: Callable[[int, int], None] | None) -> list[RebuildReport]:
+        def run(
+            page_done: Callable[[int, int], None] | None, fence: Fence | None = None
+        ) -> list[RebuildReport]:
             return [
                 rebuild(
                     name,
@@ -159,6 +162,7 @@ class Command(OneLineFailures):
                     batch_size=options["batch_size"],
                     progress=page_done,
                     using=using,
+                    fence=fence,
                 )
                 for name in names
             ]
@@ -167,7 +171,7 @@ class Command(OneLineFailures):
             return run(progress)
         buffer = api.get_buffer(using)
         try:
-            with api.rebuild_lease(buffer) as lease:
+            with api.rebuild_lease(buffer, using) as lease:
                 if not lease.held and not wait_for_audit(buffer, lease):
                     raise RebuildRunning(lease.key)
 
@@ -176,7 +180,7 @@ class Command(OneLineFailures):
                     if progress is not None:
                         progress(done, total)
 
-                return run(page_done)
+                return run(page_done, lease.fence)
         except RedisError as exc:
             raise BufferUnavailable(conf.redis_url(), exc) from exc
 

@@ -192,9 +192,9 @@ class Command(OneLineFailures):
         if not quarantine["deltas"]:
             return []
         lines = [
-            f"QUARANTINED: {quarantine['deltas']} deltas could not be applied and are not "
-            "counted; fix the cause, then run `manage.py counters_flush --retry-quarantined` "
-            "(or --discard-quarantined after a full rebuild)"
+            f"QUARANTINED: {quarantine['deltas']} deltas could not be applied (reads still "
+            "count them); fix the cause, then run `manage.py counters_flush "
+            "--retry-quarantined` (or --discard-quarantined to drop them for good)"
         ]
         for name, group in quarantine["counters"].items():
             lines.append(f"  {name}: {group['count']} deltas, sum {group['sum']:+d}")
