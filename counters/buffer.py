@@ -294,6 +294,25 @@ end
 return dropped
 """
 
+# Quarantine deltas that never entered Redis: for each (field, value, member, delta) in ARGV,
+# set the field in the quarantine KEYS[1] and, if it was not there yet, add delta to the
+# member's quarantined sum KEYS[2] (so writing the same fields again adds nothing); returns
+# how many fields were new.
+SET_ASIDE_SCRIPT = """
+local quarantine, qsum = KEYS[1], KEYS[2]
+local added = 0
+for i = 1, #ARGV, 4 do
+  local field, value, member, delta = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  if redis.call('HSET', quarantine, field, value) == 1 then
+    added = added + 1
+    if tonumber(delta) ~= 0 and tonumber(redis.call('ZINCRBY', qsum, delta, member)) == 0 then
+      redis.call('ZREM', qsum, member)
+    end
+  end
+end
+return added
+"""
+
 #: A push delivered later than this after it was sent is refused (a late TCP delivery
 #: after the writer gave up and wrote to the DB instead).
 PUSH_MAX_AGE_MS = 30_000
@@ -409,6 +428,7 @@ class Buffer:
         self._read = client.register_script(READ_SCRIPT)
         self._requeue = client.register_script(REQUEUE_SCRIPT)
         self._discard = DrainScript(client, DISCARD_SCRIPT)
+        self._set_aside = DrainScript(client, SET_ASIDE_SCRIPT)
         # The drain path: these run even when Redis is at maxmemory (see scripts.py).
         self._move = DrainScript(client, MOVE_SCRIPT)
         self._ack = DrainScript(client, ACK_SCRIPT)
@@ -738,17 +758,35 @@ class Buffer:
         For a direct write to the database that could not apply them (a value
         beyond the column's range): they are held like a flush's quarantine,
         under fields ``"<origin>|<member>"``, so writing them again after a
-        crash writes the same fields.
+        crash writes the same fields and adds nothing. Like a flush's, each
+        is part of its member's quarantined sum (reads count it) while it is
+        exact as a score (below 2^53); a larger one is held uncounted.
         """
         at = round(time.time(), 3)
-        by_shard: dict[int, dict[str, str]] = defaultdict(dict)
+        by_shard: dict[int, list[str]] = defaultdict(list)
         for member, (delta, error) in sorted(items.items()):
-            value = {"member": member, "delta": delta, "error": error[:QUARANTINE_ERROR_LIMIT]}
-            by_shard[shard_of(member, self.shards)][f"{origin}|{member}"] = json.dumps(
-                {**value, "at": at}
-            )
-        for shard, fields in sorted(by_shard.items()):  # one slot a command
-            self.client.hset(self.key(shard, "quarantine"), mapping=cast(Any, fields))
+            counted = abs(delta) < SCORE_LIMIT
+            value = {
+                "member": member,
+                "delta": delta,
+                "error": error[:QUARANTINE_ERROR_LIMIT],
+                "at": at,
+                "counted": counted,
+            }
+            by_shard[shard_of(member, self.shards)] += [
+                f"{origin}|{member}",
+                json.dumps(value),
+                member,
+                str(delta if counted else 0),
+            ]
+        calls = [
+            ([self.key(shard, "quarantine"), self.key(shard, "qsum")], args)
+            for shard, args in sorted(by_shard.items())
+        ]
+        if calls:
+            replies = self._run(self._set_aside, calls)
+            if not all(isinstance(n, int) for n in replies):
+                raise UnexpectedScriptReply("SET_ASIDE_SCRIPT", replies)
 
     def discard(self, entries: Iterable[Quarantined]) -> int:
         """Delete quarantined deltas for good; returns how many were still there."""

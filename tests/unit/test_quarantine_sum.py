@@ -86,3 +86,24 @@ def test_an_entry_from_before_the_sum_leaves_it_alone(buf, client):
     client.hset(f"{PREFIX}:{{s0}}:quarantine", mapping={"old|c:1": json.dumps(old)})
     assert buf.requeue(buf.quarantined()) == (2, [])
     assert (qsum(client), parts(buf, "c:1")) == ({}, (11, 0, 0))
+
+
+def test_a_delta_set_aside_by_a_direct_write_is_in_the_sum_once(buf, client):
+    buf.set_aside({"c:1": (7, "DataError: out of range"), "c:2": (-3, "DataError")}, "fb-1")
+    buf.set_aside({"c:1": (7, "DataError: out of range")}, "fb-1")  # written again: same field
+    assert (parts(buf, "c:1"), parts(buf, "c:2")) == ((0, 0, 7), (0, 0, -3))
+    assert {e.member: (e.delta, e.counted) for e in buf.quarantined()} == {
+        "c:1": (7, True),
+        "c:2": (-3, True),
+    }
+    assert buf.requeue([e for e in buf.quarantined() if e.member == "c:1"]) == (1, [])
+    assert parts(buf, "c:1") == (7, 0, 0)  # moved to pending: counted once
+    assert buf.discard(buf.quarantined()) == 1
+    assert qsum(client) == {}
+
+
+def test_a_delta_set_aside_beyond_a_score_is_held_uncounted(buf, client):
+    buf.set_aside({"c:1": (SCORE_LIMIT, "DataError")}, "fb-1")
+    assert parts(buf, "c:1") == (0, 0, 0)
+    assert [(e.delta, e.counted) for e in buf.quarantined()] == [(SCORE_LIMIT, False)]
+    assert qsum(client) == {}
