@@ -71,6 +71,8 @@ def locked_rows(qs: models.QuerySet) -> list[tuple[Any, Row]]:
 
     A row holds the tracked fields' values (``{attname: value}``). Only the
     model's own rows are locked (``OF self``), so querysets with joins work.
+    Each pk appears once: a filter through a multi-valued relation returns a
+    row once per related row, and a row changed once must count once.
     Must run inside a transaction.
     """
     model = qs.model
@@ -86,7 +88,11 @@ def locked_rows(qs: models.QuerySet) -> list[tuple[Any, Row]]:
     else:
         query = query.select_for_update()
     rows = query.prefetch_related(None).order_by("pk").values_list("pk", *attnames)
-    return [(values[0], dict(zip(attnames, values[1:], strict=True))) for values in rows]
+    unique: dict[Any, Row] = {}
+    for values in rows:
+        if values[0] not in unique:
+            unique[values[0]] = dict(zip(attnames, values[1:], strict=True))
+    return list(unique.items())
 
 
 def read_rows(model: type[models.Model], pks: list[Any], using: str) -> list[Row]:
