@@ -178,8 +178,8 @@ def install_save(model: type[models.Model]) -> None:
         def write() -> bool:
             return original_table(self, raw, cls, force_insert, force_update, using, update_fields)
 
-        if cls is None or raw or is_paused() or concrete_model(type(self)) is not cls:
-            return write()  # a parent's table, or not counted
+        if cls is not model or raw or is_paused() or concrete_model(type(self)) is not model:
+            return write()  # another table (a parent's, a child's), or not counted
         if not trackers_for(cls) or (update_fields is not None and not touches(cls, update_fields)):
             return write()
         using = using or router.db_for_write(cls, instance=self)
