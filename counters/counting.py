@@ -8,12 +8,13 @@ counted once. On SQLite, which has no row locks, write transactions must be
 serialised by the database (``"transaction_mode": "IMMEDIATE"``) to the same
 effect.
 
-Django's signals carry the changes (connected in :mod:`counters.signals`):
+Where each change is seen:
 
-- ``pre_save`` locks the saved row and reads it; ``post_save`` counts the
-  difference (an insert has nothing before). A save outside a transaction
-  could not hold that lock, so ``track()`` runs the model's ``save()`` in
-  ``atomic()`` (:func:`install_save`): the lock holds until the write commits.
+- a save, in the model's ``_save_table()`` (:func:`install_save`), the call
+  that writes the row: the row is locked and read right before the
+  statement, the values written are read right after it, before any
+  ``post_save`` receiver runs. A save with a primary key runs in
+  ``atomic()`` so that the lock holds until the write commits.
 - ``pre_delete`` locks and reads the row inside Django's delete transaction,
   ``post_delete`` counts its removal. Cascades from a parent arrive here too.
 - :data:`counters.signals.rows_changed`, sent by :class:`~counters.CountedQuerySet`
@@ -25,12 +26,13 @@ Saves with ``raw=True`` (``loaddata``) and changes inside
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from django.db import connections, models, router, transaction
+from django.db import DatabaseError, NotSupportedError, connections, models, router, transaction
 
 from .context import already_counted, is_paused
 from .tracking import touches, tracked_fields, trackers_for
@@ -42,8 +44,7 @@ logger = logging.getLogger(__name__)
 
 Row = dict[str, Any]
 
-#: Instance attributes holding what the pre_* receivers read, for the post_* ones.
-_SAVING = "_counters_saving"
+#: Instance attribute holding what ``pre_delete`` read, for ``post_delete``.
 _DELETING = "_counters_deleting"
 
 
@@ -71,6 +72,8 @@ def locked_rows(qs: models.QuerySet) -> list[tuple[Any, Row]]:
 
     A row holds the tracked fields' values (``{attname: value}``). Only the
     model's own rows are locked (``OF self``), so querysets with joins work.
+    Each pk appears once: a filter through a multi-valued relation returns a
+    row once per related row, and a row changed once must count once.
     Must run inside a transaction.
     """
     model = qs.model
@@ -86,7 +89,11 @@ def locked_rows(qs: models.QuerySet) -> list[tuple[Any, Row]]:
     else:
         query = query.select_for_update()
     rows = query.prefetch_related(None).order_by("pk").values_list("pk", *attnames)
-    return [(values[0], dict(zip(attnames, values[1:], strict=True))) for values in rows]
+    unique: dict[Any, Row] = {}
+    for values in rows:
+        if values[0] not in unique:
+            unique[values[0]] = dict(zip(attnames, values[1:], strict=True))
+    return list(unique.items())
 
 
 def read_rows(model: type[models.Model], pks: list[Any], using: str) -> list[Row]:
@@ -125,15 +132,30 @@ def instance_row(
 
 # -- save ------------------------------------------------------------------------
 
+#: How many times one save re-reads a row that appeared between its lock and its write.
+SAVE_ATTEMPTS = 5
+
 
 def install_save(model: type[models.Model]) -> None:
-    """Run ``model.save()`` in ``atomic()`` when it may update a row, so the lock holds.
+    """Count every write of a row of ``model`` where Django makes it; idempotent.
 
-    Inserts of plain values need no lock and keep their cost. Idempotent.
+    Two wrappers on the model class:
+
+    - ``_save_table()``, the one call of ``save_base()`` that writes the
+      model's row, counts what its statement did (:func:`counted_write`):
+      the row locked and read right before, the values written right after.
+      No receiver runs in between, so a receiver that saves the instance
+      again (its own write, counted on its own), changes it or raises, in
+      whatever order it was connected, never changes what a save counts.
+    - ``save()`` runs in ``atomic()`` when it may update a row, as one unit
+      with its receivers. Inserts of plain values need no lock and keep
+      their cost: Django commits them before ``post_save``, and they are
+      counted before it too.
     """
     if model.__dict__.get("_counters_counted_save"):
         return
     original = model.save
+    original_table = model._save_table  # type: ignore[attr-defined]
 
     @functools.wraps(original)
     def save(self: models.Model, *args: Any, **kwargs: Any) -> None:
@@ -143,8 +165,29 @@ def install_save(model: type[models.Model]) -> None:
         with transaction.atomic(using=using):
             return original(self, *args, **kwargs)
 
+    @functools.wraps(original_table)
+    def _save_table(
+        self: models.Model,
+        raw: bool = False,
+        cls: type[models.Model] | None = None,
+        force_insert: Any = False,
+        force_update: bool = False,
+        using: str | None = None,
+        update_fields: Iterable[str] | None = None,
+    ) -> bool:
+        def write() -> bool:
+            return original_table(self, raw, cls, force_insert, force_update, using, update_fields)
+
+        if cls is not model or raw or is_paused() or concrete_model(type(self)) is not model:
+            return write()  # another table (a parent's, a child's), or not counted
+        if not trackers_for(cls) or (update_fields is not None and not touches(cls, update_fields)):
+            return write()
+        using = using or router.db_for_write(cls, instance=self)
+        return counted_write(self, cls, write, using, update_fields, bool(force_insert))
+
     save.alters_data = True  # type: ignore[attr-defined]
     model.save = save  # type: ignore[method-assign]
+    model._save_table = _save_table  # type: ignore[attr-defined]
     model._counters_counted_save = True  # type: ignore[attr-defined]
 
 
@@ -153,66 +196,117 @@ def _needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) -
         return False
     if obj.pk is not None:
         return True  # the row may exist: its old state is read under a lock
+    return _has_expression(obj)
+
+
+def _has_expression(obj: models.Model) -> bool:
     return any(is_expression(getattr(obj, f.attname)) for f in tracked_fields(type(obj)))
 
 
-def before_save(
-    sender: type[models.Model],
-    instance: models.Model,
-    raw: bool = False,
-    using: str | None = None,
-    update_fields: Iterable[str] | None = None,
-    **kwargs: Any,
-) -> None:
-    """``pre_save``: lock the saved row and keep what it contributed."""
-    instance.__dict__.pop(_SAVING, None)
-    if raw or is_paused() or not trackers_for(sender):
-        return
-    if update_fields is not None and not touches(sender, update_fields):
-        return
-    using = using or router.db_for_write(sender, instance=instance)
-    old = None
-    if instance.pk is not None:
-        conn = connections[using]
-        if not conn.in_atomic_block and conn.get_autocommit():
-            logger.debug(
-                "%s %s saved outside a transaction, bypassing its save(): the row is not locked",
-                sender._meta.label,
-                instance.pk,
-            )
-            rows = read_rows(sender, [instance.pk], using)
-            old = rows[0] if rows else None
-        else:
-            locked = locked_rows(plain(sender, using).filter(pk=instance.pk))
-            old = locked[0][1] if locked else None
-    instance.__dict__[_SAVING] = (using, old)
+def _may_update(obj: models.Model, model: type[models.Model], force_insert: bool) -> bool:
+    """Whether Django's ``_save_table()`` tries an UPDATE first (else it only inserts)."""
+    if force_insert or obj.pk is None:
+        return False
+    meta = model._meta
+    # Django skips the UPDATE when adding an instance whose primary key has a default.
+    return not (
+        obj._state.adding and all(f.has_default() or f.has_db_default() for f in meta.pk_fields)
+    )
 
 
-def after_save(
-    sender: type[models.Model],
-    instance: models.Model,
-    created: bool = False,
-    raw: bool = False,
-    using: str | None = None,
-    update_fields: Iterable[str] | None = None,
-    **kwargs: Any,
-) -> None:
-    """``post_save``: count ``after - before`` of the saved row."""
-    saving = instance.__dict__.pop(_SAVING, None)
-    if saving is None or raw:
-        return
-    using, old = saving
-    if created:
+def counted_write(
+    obj: models.Model,
+    model: type[models.Model],
+    write: Callable[[], bool],
+    using: str,
+    update_fields: Iterable[str] | None,
+    force_insert: bool,
+) -> bool:
+    """Run ``write`` (Django's ``_save_table()`` of ``obj``'s row) and count what it did.
+
+    Returns what ``write`` returns (True if it updated a row, False if it
+    inserted one). A row that may be updated is locked and read inside a
+    transaction (one is opened if none is), so no racing writer can change it
+    between the read and the write.
+    """
+    if is_expression(obj.pk):
+        raise NotSupportedError(
+            f"{model._meta.label}.save(): the primary key is an expression "
+            f"({obj.pk!r}); a counted row cannot be moved by a save: use "
+            "QuerySet.update() with the new key, or a plain value"
+        )
+    may_update = _may_update(obj, model, force_insert)
+    conn = connections[using]
+    if (may_update or _has_expression(obj)) and not conn.in_atomic_block:
+        with transaction.atomic(using=using):
+            return _write_and_count(obj, model, write, using, update_fields, may_update)
+    return _write_and_count(obj, model, write, using, update_fields, may_update)
+
+
+def _write_and_count(
+    obj: models.Model,
+    model: type[models.Model],
+    write: Callable[[], bool],
+    using: str,
+    update_fields: Iterable[str] | None,
+    may_update: bool,
+) -> bool:
+    """Write once, count ``new - old`` where ``old`` is what the statement replaced.
+
+    An UPDATE replaced the row locked right before it. An INSERT replaced
+    nothing. A row that no lock found but that the UPDATE changed (another
+    transaction inserted it in between: Django's UPDATE-then-INSERT of a
+    save with a primary key) has an old state nobody read: that write is
+    rolled back to a savepoint, and the now visible row is locked and written
+    again. So no interleaving counts a row twice.
+    """
+    old: Row | None = None
+    updated = False
+    for _ in range(SAVE_ATTEMPTS if may_update else 1):
+        if not may_update:
+            updated = write()
+            break
+        found = locked_rows(plain(model, using).filter(pk=obj.pk))
+        old = found[0][1] if found else None
+        if old is not None:
+            updated = write()
+            break
+        updated = _write_in_savepoint(write, using)
+        if not updated:
+            break
+        old = None  # rolled back: try again, the row now exists
+    else:
+        raise DatabaseError(
+            f"{model._meta.label} {obj.pk!r}: the row kept appearing between its lock "
+            "and its write; nothing was saved"
+        )
+    if not updated:
         old = None
-    new = None
-    if update_fields is None:
-        new = instance_row(instance)
-    elif old is not None:
-        new = instance_row(instance, update_fields, base=old)
+    if update_fields is not None and old is not None:
+        new = instance_row(obj, update_fields, base=old)
+    else:
+        new = instance_row(obj)
     if new is None:  # an expression, or an odd value: read back what was stored
-        found = read_rows(sender, [instance.pk], using)
-        new = found[0] if found else None
-    count(sender, [old], [new], using)
+        stored = read_rows(model, [obj.pk], using)
+        new = stored[0] if stored else None
+    count(model, [old], [new], using)
+    return updated
+
+
+def _write_in_savepoint(write: Callable[[], bool], using: str) -> bool:
+    """``write()`` kept if it inserted (False), rolled back if it updated a row (True)."""
+    sid = transaction.savepoint(using=using)
+    try:
+        updated = write()
+    except BaseException:
+        with contextlib.suppress(DatabaseError):
+            transaction.savepoint_rollback(sid, using=using)
+        raise
+    if updated:
+        transaction.savepoint_rollback(sid, using=using)
+    else:
+        transaction.savepoint_commit(sid, using=using)
+    return updated
 
 
 # -- delete ------------------------------------------------------------------------

@@ -49,11 +49,16 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
                 return 0
             pks = [pk for pk, _ in locked]
             target = plain(model, using)
+            moved = _moved_pks(model, using, pks, kwargs)
             changed = 0
             for chunk in batched(pks, CHUNK):
                 changed += target.filter(pk__in=chunk).update(**kwargs)
             old = [row for _, row in locked]
-            new = _updated(model, old, kwargs)
+            new: list[dict[str, Any]] | None
+            if moved is not None:
+                new = _moved_rows(model, using, moved, len(old))
+            else:
+                new = _updated(model, old, kwargs)
             if new is None:  # expressions: the database computed the new values
                 new = read_rows(model, pks, using)
             rows_changed.send(sender=model, old=old, new=new, using=using)
@@ -141,6 +146,53 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
             if new:
                 rows_changed.send(sender=model, old=[], new=new, using=using)
         return created
+
+
+def _moved_pks(
+    model: type[models.Model], using: str, pks: list[Any], kwargs: Mapping[str, Any]
+) -> list[Any] | None:
+    """The primary keys rows ``pks`` will have after ``update(**kwargs)``, or None if kept.
+
+    An update that sets the primary key moves each row to a new key: its new
+    state is read there. An expression (``F("id") + 1000``) is evaluated for
+    each locked row before the update, by the same database; the rows are
+    locked, so the UPDATE computes the same keys from the same values.
+    """
+    found = [(n, v) for n, v in kwargs.items() if model_field(model, n).primary_key]
+    if not found:
+        return None
+    pk_field = model_field(model, "pk")
+    value = found[0][1]
+    if not is_expression(value):
+        return [python_value(pk_field, value)] if pks else []
+    alias = "_counters_moved_to"
+    moved: list[Any] = []
+    for chunk in batched(pks, CHUNK):
+        rows = plain(model, using).filter(pk__in=chunk).annotate(**{alias: value})
+        moved.extend(rows.values_list(alias, flat=True))
+    return moved
+
+
+def _moved_rows(
+    model: type[models.Model], using: str, moved: list[Any], expected: int
+) -> list[dict[str, Any]]:
+    """The rows at their new primary keys ``moved``; all ``expected`` of them, or it raises.
+
+    A key the database computes differently for the UPDATE than for the read
+    before it (a random or time-dependent expression) would count a row as
+    gone: that update is refused and rolled back, nothing changed.
+    """
+    pk_field = model_field(model, "pk")
+    keys = sorted({python_value(pk_field, pk) for pk in moved})
+    rows = read_rows(model, keys, using)
+    if len(rows) != expected:
+        raise NotSupportedError(
+            f"{model._meta.label}.objects.update(): the new primary keys of {expected} "
+            f"row(s) could not be computed before the update ({len(rows)} found after it); "
+            "nothing was changed: move rows with a deterministic expression of their own "
+            "columns"
+        )
+    return rows
 
 
 def _updated(

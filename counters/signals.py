@@ -15,7 +15,7 @@ from __future__ import annotations
 from django.apps import apps
 from django.db import connections, models
 from django.db.backends.signals import connection_created
-from django.db.models.signals import post_delete, post_migrate, post_save, pre_delete, pre_save
+from django.db.models.signals import post_delete, post_migrate, pre_delete
 from django.dispatch import Signal
 
 #: Sent with ``sender`` (the model), ``old``, ``new`` and ``using``; see the module doc.
@@ -53,10 +53,11 @@ def connect_signals(app_config) -> None:
 
 
 def connect_model(model: type[models.Model]) -> None:
-    """Connect the instance receivers of a tracked model (and its proxies); idempotent.
+    """Connect the delete receivers of a tracked model (and its proxies); idempotent.
 
     Called by ``counters.track()``. The receivers are connected per model, so
     Django keeps fast-deleting the rows of every model that is not tracked.
+    Saves are counted without receivers (:func:`counters.counting.install_save`).
     """
     from . import counting
 
@@ -65,7 +66,5 @@ def connect_model(model: type[models.Model]) -> None:
     ]
     for sender in senders:
         uid = f"counters:{sender._meta.label}"
-        pre_save.connect(counting.before_save, sender=sender, dispatch_uid=f"{uid}:pre_save")
-        post_save.connect(counting.after_save, sender=sender, dispatch_uid=f"{uid}:post_save")
         pre_delete.connect(counting.before_delete, sender=sender, dispatch_uid=f"{uid}:pre_delete")
         post_delete.connect(counting.after_delete, sender=sender, dispatch_uid=f"{uid}:post_delete")
