@@ -1,7 +1,8 @@
 """Detect Redis data loss and time travel: an epoch token and a batch sequence per shard.
 
 Each shard holds a random token (``<prefix>:{sN}:epoch``) and a sequence
-(``<prefix>:{sN}:seq``) that the move script bumps for every batch it moves.
+(``<prefix>:{sN}:seq``) that the move script bumps for every batch it moves, and
+the narrowing of a poison batch for the half it keeps in flight.
 The DB remembers the token and the highest sequence applied (``BufferEpoch``),
 the latter in the same transaction as each batch. At the start of each
 shard's flush, under its lease:
