@@ -14,6 +14,11 @@ shard's flush, under its lease:
   failover to a lagging replica). Deltas applied since that state are back
   as pending and will count again; deltas pushed after it are gone.
 
+The DB has a shard's token before the first delta enters the shard: each
+process records the tokens of its buffer once, before its first push
+(:func:`counters.layout.register`), so a Redis that loses its data before the
+first flush of a prefix is a loss too.
+
 Either is a loss: it is logged, counted, and the prefix is marked "rebuild
 needed" until a full rebuild that started after the loss completes. Then the
 Redis sequence is raised to the DB's, so the next flush is not flagged again.
@@ -104,14 +109,14 @@ def check_epoch(buffer: Buffer, shard: int, using: str = DEFAULT_DB_ALIAS) -> Ep
     if row is not None and token == row.token and redis_seq >= row.seq:
         return EpochCheck(lost=False, seq=row.seq)
     if row is None:
-        token = _ensure_token(buffer, shard)
+        token = ensure_token(buffer, shard)
         row, _ = epochs.get_or_create(prefix=buffer.prefix, shard=shard, defaults={"token": token})
         return EpochCheck(lost=False, seq=row.seq)
     record_loss(buffer, shard, using, redis_seq)
     return EpochCheck(lost=True, seq=row.seq)
 
 
-def _ensure_token(buffer: Buffer, shard: int) -> str:
+def ensure_token(buffer: Buffer, shard: int) -> str:
     """The shard's epoch token, set to a new random one if Redis has none."""
     script = DrainScript(buffer.client, ENSURE_TOKEN_SCRIPT)
     return to_str(script(keys=[buffer.key(shard, "epoch")], args=[secrets.token_hex(16)])) or ""
@@ -125,7 +130,7 @@ def record_loss(buffer: Buffer, shard: int, using: str, redis_seq: int) -> None:
     """
     epochs = BufferEpoch.objects.using(using).filter(prefix=buffer.prefix, shard=shard)
     row = epochs.get()
-    token = _ensure_token(buffer, shard)
+    token = ensure_token(buffer, shard)
     if token != row.token:
         logger.error(LOST_MESSAGE, shard, buffer.prefix)
     else:
