@@ -78,6 +78,7 @@ class FlushResult:
     discarded: int = 0
     incomplete: bool = False
     rebuild_needed_since: str | None = None
+    layouts_pending: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def summary(self) -> str:
@@ -110,6 +111,8 @@ class FlushResult:
             extras.append(f"REDIS LOST DATA in {len(self.lost_shards)} shards")
         if self.rebuild_needed_since:
             extras.append(f"REBUILD NEEDED since {self.rebuild_needed_since}")
+        if self.layouts_pending:
+            extras.append(f"LAYOUT CHANGE NOT DRAINED: {'; '.join(self.layouts_pending)}")
         if self.incomplete:
             extras.append("time budget reached")
         return text + (f" ({', '.join(extras)})" if extras else "")

@@ -24,7 +24,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 from redis import RedisError
 
-from . import conf, metrics, outbox, reads, repair
+from . import conf, layout, metrics, outbox, reads, repair
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
@@ -202,6 +202,8 @@ def rebuild(
     spec = get_spec(name)
     if spec.source is None:
         raise NoTruthSource(name)
+    if not dry_run:
+        layout.refuse_repairs(get_buffer(using), using)
     if confirm_delay is None:
         confirm_delay = default_confirm_delay()
     # normalised, so "7" is compared with the truth of key 7
@@ -277,8 +279,8 @@ def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int | No
     of one key overlap; returns 0 when a rebuild holds it.
     """
     key = repair.queue_key(buffer)
-    if not buffer.client.exists(key):
-        return 0
+    if not buffer.client.exists(key) or layout.pending(buffer, using):
+        return 0  # nothing queued, or a layout change not drained: the keys wait
     with rebuild_lease(buffer) as lease:
         if not lease.held:
             return 0  # a rebuild is running; the keys wait for the next flush
