@@ -352,6 +352,7 @@ def _check_page(
     spec: CounterSpec, page: list[Any], report: CounterAudit, confirm_delay: float, using: str
 ) -> None:
     def repair(confirmed: dict[Any, Drift]) -> None:
+        layout.refuse_repairs(get_buffer(using), using)  # a layout changed during the run
         record_repairs(spec, list(confirmed.values()), using)
         report.repaired.extend(confirmed.values())
 

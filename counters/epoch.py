@@ -166,6 +166,17 @@ def record_applied(batch: Batch, using: str) -> None:
         )
 
 
+def mark_rebuild_needed(prefix: str, using: str = DEFAULT_DB_ALIAS) -> int:
+    """A loss seen under another prefix (a retired buffer layout) makes the counters of
+    ``prefix`` wrong too: mark its shards "rebuild needed" now. Returns the rows marked."""
+    now = timezone.now()
+    return (
+        BufferEpoch.objects.using(using)
+        .filter(prefix=prefix)
+        .update(last_loss_at=now, rebuild_needed_since=Coalesce(F("rebuild_needed_since"), now))
+    )
+
+
 def rebuild_needed_since(prefix: str, using: str = DEFAULT_DB_ALIAS) -> datetime | None:
     """When the first loss not yet repaired by a full rebuild was detected, or None."""
     rows = BufferEpoch.objects.using(using).filter(prefix=prefix)

@@ -306,6 +306,11 @@ def drain(
             shards=shards,
         )
         add_to(result, part, other)
+        if part.lost_shards and other.prefix != buffer.prefix:
+            # Its counts are this prefix's counts: loud here until a full rebuild.
+            from .epoch import mark_rebuild_needed
+
+            mark_rebuild_needed(buffer.prefix, using)
         if complete(part) and not holding(old, exclusive_shards(buffer, other)):
             mark_drained(other, begun, using)
 

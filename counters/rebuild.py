@@ -213,6 +213,7 @@ def rebuild(
     started = time.monotonic()
 
     def repair(confirmed: dict[Any, Drift]) -> None:
+        layout.refuse_repairs(get_buffer(using), using)  # a layout changed during the run
         add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
         report.repaired += len(confirmed)
 

@@ -209,3 +209,52 @@ def test_the_parallel_run_drains_the_old_layout_before_it_sends_the_parts(
     tasks.flush_counters()
     assert audit(confirm_delay=0.01).repaired == 0
     assert readings(users) == (36, 36, 36)
+
+
+def test_a_new_prefix_on_another_redis_is_a_loss_not_a_silent_drain(
+    sixteen_shards, own_redis, settings, counters_prefix, make_user
+):
+    """The old layout's shards are looked for on the Redis in use: on another one its epoch
+    tokens are missing, which is a loss of the new prefix's counts until a rebuild."""
+    from tests.redis_server import RedisServer
+
+    users = [make_user() for _ in range(5)]
+    notify(users, 2)  # pending under the old prefix, on the first Redis
+    with RedisServer() as other:
+        settings.COUNTERS_REDIS_URL = other.url
+        settings.COUNTERS_KEY_PREFIX = f"{counters_prefix}.moved"
+        notify(users, 1)
+        result = counters.flush()
+        assert result.layouts_pending == []  # nothing of it on this Redis
+        assert result.rebuild_needed_since is not None
+        assert readings(users) == (15, 5, 5)
+        api.rebuild_all()
+        assert_exact(users)
+        assert counters.flush().rebuild_needed_since is None
+        assert readings(users) == (15, 15, 15)
+
+
+def test_a_layout_that_appears_during_a_rebuild_stops_its_repairs(
+    sixteen_shards, make_user, monkeypatch
+):
+    """A process with other settings records its layout while a rebuild confirms a drift:
+    the repair is refused, since reads now miss what that process pushes."""
+    from counters import layout, rebuild
+    from counters.buffer import Buffer
+
+    users = [make_user() for _ in range(3)]
+    notify(users, 2)
+    counters.flush()
+    UnreadCounter.objects.filter(user=users[0]).update(count=7)  # drift: raw SQL
+    real_sleep = rebuild.time.sleep
+
+    def new_writer_starts(seconds: float) -> None:
+        buffer = api.get_buffer()
+        layout.register(Buffer(buffer.client, buffer.prefix, 8), "default")
+        real_sleep(seconds)
+
+    monkeypatch.setattr(rebuild.time, "sleep", new_writer_starts)
+    with pytest.raises(LayoutChangePending):
+        api.rebuild_all()
+    assert readings(users) == (6, 11, 11)  # nothing repaired: 7 + 2 + 2 stays
+    assert not_drained() == [f"prefix {api.get_buffer().prefix!r}, 8 shards"]
