@@ -258,3 +258,29 @@ def test_a_layout_that_appears_during_a_rebuild_stops_its_repairs(
         api.rebuild_all()
     assert readings(users) == (6, 11, 11)  # nothing repaired: 7 + 2 + 2 stays
     assert not_drained() == [f"prefix {api.get_buffer().prefix!r}, 8 shards"]
+
+
+def test_a_flush_with_the_old_settings_drains_a_retired_layout_and_retires_nothing(
+    sixteen_shards, settings, counters_prefix, make_user
+):
+    """The drain of a layout the new flush cannot reach: stop its writers, run one flush
+    with its settings. That flush drains it and leaves the new layout in use."""
+    from django.utils import timezone
+
+    users = [make_user() for _ in range(4)]
+    notify(users, 2)  # pending under the old layout
+    old = BufferLayout.objects.get(prefix=counters_prefix, shards=16, cluster=False)
+    # What the first flush on a Redis Cluster does: record its layout, retire this one.
+    new = BufferLayout.objects.create(prefix=counters_prefix, shards=16, cluster=True)
+    BufferLayout.objects.filter(pk=old.pk).update(retired_at=timezone.now())
+    assert not_drained() == [str(old)]  # seen from the old settings: this layout waits
+
+    code, out, err = run_manage("counters_flush", "--json", env=env(COUNTERS_SHARDS="16"))
+    assert code == 0, err
+    assert (json.loads(out)["deltas"], json.loads(out)["layouts_pending"]) == (8, [])
+    old.refresh_from_db()
+    new.refresh_from_db()
+    assert old.drained_at is not None and old.drained_at >= old.retired_at
+    assert new.retired_at is None  # still the layout in use
+    assert not_drained() == []
+    assert readings(users) == (8, 8, 8)
