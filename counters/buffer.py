@@ -197,9 +197,13 @@ return out
 """
 
 # Narrow in-flight batch ARGV[1] to a batch ARGV[2]: members ARGV[4..] go back to pending
-# unless their pending sum would leave the exact range of a score; {1, items left} or {0}.
+# unless their pending sum would leave the exact range of a score. With sequence KEYS[6], the
+# narrowed batch takes the shard's next sequence number (so that the DB, applying it, records
+# a number no Redis state from before the narrowing has); {1, items left, that number or 0}
+# or {0}.
 NARROW_SCRIPT = """
 local pending, inflight, batch, gen, since = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local seq = KEYS[6]
 local batch_id, new_id, now_ms = ARGV[1], ARGV[2], ARGV[3]
 local limit = 9007199254740992
 if redis.call('HGET', batch, 'id') ~= batch_id then return {0} end
@@ -219,9 +223,14 @@ for i = 4, #ARGV do
   end
 end
 if returned > 0 then redis.call('SET', since, now_ms, 'NX') end
+local number = 0
+if seq then
+  number = redis.call('INCR', seq)
+  redis.call('HSET', batch, 'seq', number)
+end
 redis.call('HSET', batch, 'id', new_id)
 redis.call('INCR', gen)
-return {1, redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES')}
+return {1, redis.call('ZRANGE', inflight, 0, -1, 'WITHSCORES'), number}
 """
 
 # Quarantine in-flight batch ARGV[1]: for each (field, value, member, delta) in ARGV[2..], store
@@ -632,13 +641,19 @@ class Buffer:
             raise UnexpectedScriptReply("ACK_SCRIPT", reply)
         return reply == 1
 
-    def narrow(self, batch: Batch, new_id: str, returned: Iterable[str]) -> Batch | None:
+    def narrow(
+        self, batch: Batch, new_id: str, returned: Iterable[str], renumber: bool = False
+    ) -> Batch | None:
         """Send ``returned`` members of in-flight ``batch`` back to pending; keep the rest
-        in flight as batch ``new_id`` (same sequence number).
+        in flight as batch ``new_id``.
 
-        A member whose pending sum would leave the exact range of a score stays
-        in flight. Returns the narrowed batch, or None if ``batch`` is no
-        longer the batch in flight.
+        The narrowed batch keeps the sequence number of ``batch``, or with
+        ``renumber`` takes the shard's next one, in the same script: the flush
+        renumbers, so that a Redis restored from a state older than the
+        narrowing is behind the DB once the narrowed batch is applied (see
+        :mod:`counters.epoch`). A member whose pending sum would leave the
+        exact range of a score stays in flight. Returns the narrowed batch, or
+        None if ``batch`` is no longer the batch in flight.
         """
         shard = batch.shard
         keys = [
@@ -648,15 +663,17 @@ class Buffer:
             self.key(shard, "gen"),
             self.key(shard, "since"),
         ]
+        if renumber:
+            keys.append(self.key(shard, "seq"))
         now_ms = int(time.time() * 1000)
         reply = self._narrow(keys=keys, args=[batch.batch_id, new_id, now_ms, *returned])
         if reply == [0]:
             return None
-        if not (isinstance(reply, list) and len(reply) == 2 and reply[0] == 1):
+        if not (isinstance(reply, list) and len(reply) == 3 and reply[0] == 1):
             raise UnexpectedScriptReply("NARROW_SCRIPT", reply)
-        flat = reply[1]
+        flat, number = reply[1], _int(reply[2])
         items = {to_str(flat[i]): _int(flat[i + 1]) for i in range(0, len(flat), 2)}
-        if not set(items) <= set(batch.items):
+        if not set(items) <= set(batch.items) or (number > 0) != renumber:
             raise UnexpectedScriptReply("NARROW_SCRIPT", reply)
         return Batch(
             shard=shard,
@@ -664,7 +681,7 @@ class Buffer:
             moved_at_ms=batch.moved_at_ms,
             items=items,
             recovered=batch.recovered,
-            seq=batch.seq,
+            seq=number or batch.seq,
             prefix=batch.prefix,
         )
 

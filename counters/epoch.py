@@ -1,7 +1,8 @@
 """Detect Redis data loss and time travel: an epoch token and a batch sequence per shard.
 
 Each shard holds a random token (``<prefix>:{sN}:epoch``) and a sequence
-(``<prefix>:{sN}:seq``) that the move script bumps for every batch it moves.
+(``<prefix>:{sN}:seq``) that the move script bumps for every batch it moves, and
+the narrowing of a poison batch for the half it keeps in flight.
 The DB remembers the token and the highest sequence applied (``BufferEpoch``),
 the latter in the same transaction as each batch. At the start of each
 shard's flush, under its lease:
@@ -12,6 +13,11 @@ shard's flush, under its lease:
   back from an older state (an RDB snapshot or AOF older than the last flush,
   failover to a lagging replica). Deltas applied since that state are back
   as pending and will count again; deltas pushed after it are gone.
+
+The DB has a shard's token before the first delta enters the shard: each
+process records the tokens of its buffer once, before its first push
+(:func:`counters.layout.register`), so a Redis that loses its data before the
+first flush of a prefix is a loss too.
 
 Either is a loss: it is logged, counted, and the prefix is marked "rebuild
 needed" until a full rebuild that started after the loss completes. Then the
@@ -103,14 +109,14 @@ def check_epoch(buffer: Buffer, shard: int, using: str = DEFAULT_DB_ALIAS) -> Ep
     if row is not None and token == row.token and redis_seq >= row.seq:
         return EpochCheck(lost=False, seq=row.seq)
     if row is None:
-        token = _ensure_token(buffer, shard)
+        token = ensure_token(buffer, shard)
         row, _ = epochs.get_or_create(prefix=buffer.prefix, shard=shard, defaults={"token": token})
         return EpochCheck(lost=False, seq=row.seq)
     record_loss(buffer, shard, using, redis_seq)
     return EpochCheck(lost=True, seq=row.seq)
 
 
-def _ensure_token(buffer: Buffer, shard: int) -> str:
+def ensure_token(buffer: Buffer, shard: int) -> str:
     """The shard's epoch token, set to a new random one if Redis has none."""
     script = DrainScript(buffer.client, ENSURE_TOKEN_SCRIPT)
     return to_str(script(keys=[buffer.key(shard, "epoch")], args=[secrets.token_hex(16)])) or ""
@@ -124,7 +130,7 @@ def record_loss(buffer: Buffer, shard: int, using: str, redis_seq: int) -> None:
     """
     epochs = BufferEpoch.objects.using(using).filter(prefix=buffer.prefix, shard=shard)
     row = epochs.get()
-    token = _ensure_token(buffer, shard)
+    token = ensure_token(buffer, shard)
     if token != row.token:
         logger.error(LOST_MESSAGE, shard, buffer.prefix)
     else:
@@ -158,6 +164,17 @@ def record_applied(batch: Batch, using: str) -> None:
         BufferEpoch.objects.using(using).filter(prefix=batch.prefix, shard=batch.shard).update(
             seq=Greatest(F("seq"), batch.seq)
         )
+
+
+def mark_rebuild_needed(prefix: str, using: str = DEFAULT_DB_ALIAS) -> int:
+    """A loss seen under another prefix (a retired buffer layout) makes the counters of
+    ``prefix`` wrong too: mark its shards "rebuild needed" now. Returns the rows marked."""
+    now = timezone.now()
+    return (
+        BufferEpoch.objects.using(using)
+        .filter(prefix=prefix)
+        .update(last_loss_at=now, rebuild_needed_since=Coalesce(F("rebuild_needed_since"), now))
+    )
 
 
 def rebuild_needed_since(prefix: str, using: str = DEFAULT_DB_ALIAS) -> datetime | None:

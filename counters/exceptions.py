@@ -162,3 +162,16 @@ class TrackingError(CountersError, ImproperlyConfigured):
         self.counter = counter
         self.problem = problem
         super().__init__(f"{check_id}: counter {counter!r}: {problem}")
+
+
+class LayoutChangePending(CountersError):
+    """Deltas of another buffer layout (key prefix, shard count, cluster) are not drained:
+    reads miss them, so a repair now would count them twice once they are applied."""
+
+    def __init__(self, layouts: list[str]) -> None:
+        self.layouts = layouts
+        super().__init__(
+            "the buffer layout changed and these layouts are not drained yet: "
+            f"{'; '.join(layouts)}; repairs wait until a flush has drained them "
+            "(see counters_status)"
+        )

@@ -44,17 +44,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.utils import timezone
 from redis import RedisError
 from redis.exceptions import OutOfMemoryError
 from redis.typing import EncodableT, FieldT
 
-from . import conf
+from . import conf, layout
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import BufferUnavailable, FlushFailed
 from .flusher import FlushResult, prune_ledger
 from .flusher import flush as run_flush
-from .flushing import added_up, auto_rebuild, needed_since
+from .flushing import LAYOUT_PENDING_MESSAGE, added_up, auto_rebuild, needed_since
 from .outbox import drain as drain_outbox
 from .rebuild import repair_queued
 from .settle import settle_fallbacks
@@ -103,6 +104,7 @@ def start_run(using: str, parallelism: int) -> FlushRun:
     try:
         run.result.compensated = settle_fallbacks(buffer, using)
         drain_outbox(buffer, using)
+        drain_layouts(buffer, run)
         prune_ledger(buffer, using, conf.ledger_retention())
         _write(
             buffer,
@@ -113,6 +115,24 @@ def start_run(using: str, parallelism: int) -> FlushRun:
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc
     return run
+
+
+def drain_layouts(buffer: Buffer, run: FlushRun) -> None:
+    """Before the parts are sent: retire other layouts, drain those this Redis holds."""
+    layout.claim(buffer, run.using)
+    layout.drain(
+        buffer,
+        run.using,
+        started=timezone.now(),
+        deadline=time.monotonic() + conf.flush_time_budget(),
+        batch_size=conf.batch_size(),
+        lease_timeout=conf.lease_timeout(),
+        result=run.result,
+        own_shards_flushed=False,
+    )
+    run.result.layouts_pending = layout.pending(buffer, run.using)
+    if run.result.layouts_pending:
+        logger.error(LAYOUT_PENDING_MESSAGE, run.using, "; ".join(run.result.layouts_pending))
 
 
 def flush_part(
@@ -162,9 +182,10 @@ def finish_run(run: FlushRun) -> FlushResult:
     buffer = get_buffer(run.using)
     result = run.result
     try:
-        result.repaired = repair_queued(buffer, run.using)
+        # Reads miss the deltas of a layout not drained: no repair until it is.
+        result.repaired = 0 if result.layouts_pending else repair_queued(buffer, run.using)
         result.rebuild_needed_since = needed_since(buffer, run.using)
-        if result.rebuild_needed_since and conf.auto_rebuild():
+        if result.rebuild_needed_since and conf.auto_rebuild() and not result.layouts_pending:
             _record_dispatch(buffer, run)  # a rebuild can take long: show the run first
             if auto_rebuild(run.using):
                 result.rebuild_needed_since = needed_since(buffer, run.using)

@@ -12,8 +12,10 @@ the database (:data:`SYSTEMIC`: a lost connection, a deadlock, a lock
 timeout, a read-only database; the batch stays in flight and the shard fails
 this run) is narrowed in Redis. Its second half goes back to pending and its
 first half stays in flight as a batch of its own (``<id>/1``, ``<id>/2``,
-...), applied and acknowledged like any other. A failing half is narrowed
-again, and the halves sent back are moved next by themselves: a binary
+...) with the shard's next batch sequence number, applied and acknowledged
+like any other (a new number, so that a Redis restored from a snapshot taken
+before the narrowing is seen to be behind the DB: see :mod:`counters.epoch`).
+A failing half is narrowed again, and the halves sent back are moved next by themselves: a binary
 search, so 1000 members with one poison delta cost 11 failed transactions.
 A member that fails alone is moved to the shard's quarantine with its error
 (not applied, not lost) and the rest of the shard flows on. Every step is one
@@ -76,6 +78,7 @@ class FlushResult:
     discarded: int = 0
     incomplete: bool = False
     rebuild_needed_since: str | None = None
+    layouts_pending: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def summary(self) -> str:
@@ -108,6 +111,8 @@ class FlushResult:
             extras.append(f"REDIS LOST DATA in {len(self.lost_shards)} shards")
         if self.rebuild_needed_since:
             extras.append(f"REBUILD NEEDED since {self.rebuild_needed_since}")
+        if self.layouts_pending:
+            extras.append(f"LAYOUT CHANGE NOT DRAINED: {'; '.join(self.layouts_pending)}")
         if self.incomplete:
             extras.append("time budget reached")
         return text + (f" ({', '.join(extras)})" if extras else "")
@@ -325,7 +330,8 @@ def isolate(buffer: Buffer, batch: Batch, exc: Exception, result: FlushResult) -
     error = error_line(exc)
     if len(batch.items) > 1:
         members = sorted(batch.items)
-        smaller = buffer.narrow(batch, narrowed_id(batch.batch_id), members[len(members) // 2 :])
+        half = members[len(members) // 2 :]
+        smaller = buffer.narrow(batch, narrowed_id(batch.batch_id), half, True)  # renumbered
         if smaller is None:
             raise BatchLost(batch.batch_id)
         if len(smaller.items) < len(batch.items):

@@ -15,10 +15,11 @@ import time
 from typing import TYPE_CHECKING
 
 from django.db import DatabaseError
+from django.utils import timezone
 from redis import RedisError
 from redis.exceptions import OutOfMemoryError
 
-from . import conf, metrics, quarantine, sender
+from . import conf, layout, metrics, quarantine, sender
 from .buffer import Buffer
 from .client import databases, get_buffer
 from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning, RepairFenced
@@ -31,6 +32,13 @@ if TYPE_CHECKING:
     from .flusher import FlushResult
 
 logger = logging.getLogger(__name__)
+
+LAYOUT_PENDING_MESSAGE = (
+    "the buffer layout of database %r changed and deltas of another layout are not drained "
+    "yet: %s. Reads miss them and repairs wait. A layout on the same Redis is drained by "
+    "the flush; another one by `manage.py counters_flush` run once with its settings "
+    "(see counters_status and docs/operations.md)."
+)
 
 
 @metrics.observe_flush
@@ -76,19 +84,36 @@ def flush(
         compensated = settle_fallbacks(buffer, using)
         # Durable mode: push what dead or stuck writers left in the outbox, before the move.
         drain_outbox(buffer, using)
+        layout.claim(buffer, using)
+        started = timezone.now()  # after the claim: a complete run drains what it retired
+        budget = conf.flush_time_budget() if time_budget is None else time_budget
+        deadline = time.monotonic() + budget
         result = run_flush(
             buffer,
             using=using,
             batch_size=conf.batch_size(),
-            time_budget=conf.flush_time_budget() if time_budget is None else time_budget,
+            time_budget=budget,
             lease_timeout=conf.lease_timeout(),
             retention=conf.ledger_retention(),
         )
+        layout.drain(
+            buffer,
+            using,
+            started=started,
+            deadline=deadline,
+            batch_size=conf.batch_size(),
+            lease_timeout=conf.lease_timeout(),
+            result=result,
+        )
+        result.layouts_pending = layout.pending(buffer, using)
+        if result.layouts_pending:
+            logger.error(LAYOUT_PENDING_MESSAGE, using, "; ".join(result.layouts_pending))
         result.compensated = compensated
         result.requeued, result.discarded = requeued, discarded
-        result.repaired = repair_queued(buffer, using)
+        # Reads miss the deltas of a layout not drained: no repair until it is.
+        result.repaired = 0 if result.layouts_pending else repair_queued(buffer, using)
         result.rebuild_needed_since = needed_since(buffer, using)
-        if result.rebuild_needed_since and conf.auto_rebuild():
+        if result.rebuild_needed_since and conf.auto_rebuild() and not result.layouts_pending:
             record_flush(buffer, result)  # a rebuild can take long: show the flush first
             if auto_rebuild(using):
                 result.rebuild_needed_since = needed_since(buffer, using)

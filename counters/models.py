@@ -1,6 +1,8 @@
 from django.db import models
 from django.utils import timezone
 
+from .layout import describe
+
 #: Batch id prefix of direct writes (``fallback-<push id>``).
 FALLBACK_PREFIX = "fallback-"
 
@@ -88,6 +90,46 @@ class BufferEpoch(models.Model):
 
     def __str__(self) -> str:
         return f"{self.prefix} shard {self.shard}: {self.token}"
+
+
+class BufferLayout(models.Model):
+    """A buffer layout that has written deltas: key prefix, shard count, Redis Cluster or not.
+
+    Recorded by each process before its first push under the layout
+    (:func:`counters.layout.ensure_registered`), so the DB knows every layout
+    whose shards may hold deltas. A flush under another layout retires it
+    (``retired_at``); it is drained once a complete flush that started after
+    that found nothing of it left in Redis (``drained_at``). Until then reads
+    miss its deltas, so the audit and rebuilds repair nothing, and the flush
+    and ``counters_status`` report it.
+    """
+
+    prefix = models.CharField(max_length=100)
+    shards = models.PositiveSmallIntegerField()
+    cluster = models.BooleanField(default=False)
+    first_seen_at = models.DateTimeField(default=timezone.now)
+    retired_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When a flush under another layout took over; empty: in use.",
+    )
+    drained_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="Start of the last complete flush that left nothing of it in Redis.",
+    )
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["prefix", "shards", "cluster"], name="counters_layout_unique"
+            )
+        ]
+        ordering = ["first_seen_at", "pk"]
+        verbose_name = "buffer layout"
+
+    def __str__(self) -> str:
+        return describe(self.prefix, self.shards, self.cluster)
 
 
 class AuditCursor(models.Model):

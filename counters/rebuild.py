@@ -27,7 +27,7 @@ from django.db import DEFAULT_DB_ALIAS
 from django.utils import timezone
 from redis import RedisError
 
-from . import conf, metrics, outbox, reads, repair
+from . import conf, layout, metrics, outbox, reads, repair
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import (
@@ -216,6 +216,8 @@ def rebuild(
     spec = get_spec(name)
     if spec.source is None:
         raise NoTruthSource(name)
+    if not dry_run:
+        layout.refuse_repairs(get_buffer(using), using)
     if confirm_delay is None:
         confirm_delay = default_confirm_delay()
     # normalised, so "7" is compared with the truth of key 7
@@ -228,6 +230,7 @@ def rebuild(
 
     def repair(confirmed: dict[Any, Drift]) -> None:
         assert fence is not None
+        layout.refuse_repairs(get_buffer(using), using)  # a layout changed during the run
         with fenced(fence):
             add_many(name, {k: -d.error for k, d in confirmed.items()}, using=using)
         report.repaired += len(confirmed)
@@ -303,8 +306,8 @@ def repair_queued(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int | No
     of one key overlap; returns 0 when a rebuild holds it.
     """
     key = repair.queue_key(buffer)
-    if not buffer.client.exists(key):
-        return 0
+    if not buffer.client.exists(key) or layout.pending(buffer, using):
+        return 0  # nothing queued, or a layout change not drained: the keys wait
     with rebuild_lease(buffer, using) as lease:
         if not lease.held:
             return 0  # a rebuild is running; the keys wait for the next flush

@@ -10,7 +10,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS
 from django.db.models import Count, Max, Sum
 
-from . import quarantine, sender
+from . import layout, quarantine, sender
 from .audit import audit_status
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
@@ -160,6 +160,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
         "last_flush": last_flush(buffer),
         "ledger": ledger_status(using),
         "epoch": epoch_status(buffer, shards, using),
+        "layouts": layout.status(buffer, using),
         "repair_queue": int(buffer.client.scard(queue_key(buffer))),
         "quarantine": {
             "deltas": len(quarantined),
@@ -186,6 +187,7 @@ def gather_without_redis(
         "redis": {"reachable": False, "error": error},
         "ledger": ledger_status(using),
         "epoch": epoch,
+        "layouts": layout.status(buffer, using, live=False),
         "audit": audit_status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe(),

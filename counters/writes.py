@@ -22,6 +22,7 @@ from . import metrics, sender, transactions, writers
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import NotConnected, ScoreLimitExceeded, StalePush
+from .layout import ensure_registered
 from .registry import get_spec
 from .utils import capped
 from .writers import PushId
@@ -91,6 +92,10 @@ def send(
     mode) are always pushed now, under that id: a later push of the row by a
     flush must find it applied.
     """
+    if any(deltas.values()):
+        # In the committing thread, before any push: the DB knows the layout and the
+        # shards' epochs (not in the sender's thread, which has no connection of its own).
+        ensure_registered(get_buffer(using), using)
     queued = push_id is None and not outbox and sender.enabled()
     if queued and sender.enqueue(deltas, using, push_now):
         return

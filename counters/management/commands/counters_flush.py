@@ -10,6 +10,10 @@ Exit status:
 - 4 (``REBUILD_NEEDED``): Redis lost buffered deltas and no full rebuild has
   completed since; the summary (or JSON) still goes to stdout, and one line
   naming the fix to stderr.
+- 5 (``LAYOUT_NOT_DRAINED``): the buffer layout changed (``COUNTERS_KEY_PREFIX``,
+  ``COUNTERS_SHARDS``, ``COUNTERS_REDIS_CLUSTER``) and deltas of another
+  layout are not drained yet; the summary still goes to stdout, and one line
+  per layout to stderr. Takes precedence over 4: no repair runs until then.
 
 ``--database`` flushes only that alias; without it, every alias of
 ``counters.client.databases()``. ``--retry-quarantined`` first puts the deltas
@@ -36,6 +40,7 @@ from ._failures import OneLineFailures, describe, failure, redis_unreachable
 
 FAILED = 1
 REBUILD_NEEDED = 4
+LAYOUT_NOT_DRAINED = 5
 
 
 class Command(OneLineFailures):
@@ -107,6 +112,16 @@ class Command(OneLineFailures):
                 f"{where}counts are wrong since {since} (Redis lost buffered deltas) until a "
                 f"full rebuild completes: run `{REBUILD_COMMAND}`"
             )
+        stranded = {name: r.layouts_pending for name, r in results.items() if r.layouts_pending}
+        for name, layouts in stranded.items():
+            where = f"database {name!r}: " if len(results) > 1 else ""
+            for layout in layouts:
+                self.stderr.write(
+                    f"{where}deltas of buffer layout {layout} are not drained yet: reads miss "
+                    "them and repairs wait (see counters_status)"
+                )
+        if stranded:
+            sys.exit(LAYOUT_NOT_DRAINED)
         if wrong:
             sys.exit(REBUILD_NEEDED)
 

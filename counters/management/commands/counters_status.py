@@ -70,6 +70,7 @@ class Command(OneLineFailures):
             f"keys queued for repair: {status['repair_queue']}",
         ]
         lines.append(self.write_path_line(status["write_path"]))
+        lines += self.layout_lines(status["layouts"])
         lines += self.rebuild_lines(epoch)
         last = status["last_flush"]
         if last is None:
@@ -118,6 +119,7 @@ class Command(OneLineFailures):
             f"last {_fmt(epoch['last_loss_at'])})",
             self.write_path_line(status["write_path"]),
         ]
+        lines += self.layout_lines(status["layouts"])
         lines += self.rebuild_lines(epoch)
         lines.append(self.ledger_line(status["ledger"]))
         lines.append(f"unsettled direct writes: {status['ledger']['unsettled_fallbacks']}")
@@ -168,6 +170,15 @@ class Command(OneLineFailures):
                 f"({r['truth'] - r['stored'] - r['buffered']:+d})"
             )
         return lines
+
+    @staticmethod
+    def layout_lines(layouts: dict) -> list[str]:
+        """Buffer layouts whose deltas are not drained yet (after a settings change)."""
+        return [
+            f"LAYOUT CHANGE NOT DRAINED: deltas of {other} are not counted by reads, and "
+            f"repairs wait, until a flush drains them (layout in use: {layouts['current']})"
+            for other in layouts["not_drained"]
+        ]
 
     @staticmethod
     def rebuild_lines(epoch: dict) -> list[str]:
