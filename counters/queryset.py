@@ -19,6 +19,7 @@ from django.db import NotSupportedError, models, transaction
 
 from .context import counted_rows, is_paused
 from .counting import instance_row, locked_rows, plain, read_rows
+from .routes import count_relatives, lock_relatives, touched_relatives
 from .signals import rows_changed
 from .tracking import touches, tracked_fields, trackers_for
 from .utils import batched, model_field
@@ -37,7 +38,10 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
 
     def update(self, **kwargs: Any) -> int:
         model = self.model
-        if is_paused() or not touches(model, kwargs):
+        if is_paused():
+            return super().update(**kwargs)
+        relatives = touched_relatives(model, kwargs)
+        if not relatives and not touches(model, kwargs):
             return super().update(**kwargs)
         cast(Any, self)._not_support_combined_queries("update")
         if self.query.is_sliced:
@@ -48,15 +52,18 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
             if not locked:
                 return 0
             pks = [pk for pk, _ in locked]
+            before = lock_relatives(relatives, pks, using)  # multi-table rows sharing these
             target = plain(model, using)
             changed = 0
             for chunk in batched(pks, CHUNK):
                 changed += target.filter(pk__in=chunk).update(**kwargs)
-            old = [row for _, row in locked]
-            new = _updated(model, old, kwargs)
-            if new is None:  # expressions: the database computed the new values
-                new = read_rows(model, pks, using)
-            rows_changed.send(sender=model, old=old, new=new, using=using)
+            if touches(model, kwargs):
+                old = [row for _, row in locked]
+                new = _updated(model, old, kwargs)
+                if new is None:  # expressions: the database computed the new values
+                    new = read_rows(model, pks, using)
+                rows_changed.send(sender=model, old=old, new=new, using=using)
+            count_relatives(before, pks, using)
         self._result_cache = None
         return changed
 

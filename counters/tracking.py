@@ -45,6 +45,8 @@ CHECK_IDS = {
     "counters.E014": "a counter name already registered with other arguments",
     "counters.E015": "an into model with no key field matching the key",
     "counters.E016": "an invalid counter name",
+    "counters.E045": "a base manager (Meta.base_manager_name) that is not counted",
+    "counters.E046": "a proxy or multi-table relative whose default manager is not counted",
 }
 
 Row = Mapping[str, Any]
@@ -137,6 +139,11 @@ def all_trackers() -> list[Tracker]:
     return list(_trackers.values())
 
 
+def tracked_models() -> tuple[type[models.Model], ...]:
+    """The concrete models that have trackers, in the order they were first tracked."""
+    return tuple(_by_model)
+
+
 def track(
     name: str,
     model: type[models.Model] | str,
@@ -176,6 +183,11 @@ def track(
     manager_problem = uncounted_manager(source)
     if manager_problem:
         raise TrackingError("counters.E013", name, manager_problem)
+    from .routes import refusal
+
+    route_problem = refusal(source)
+    if route_problem:
+        raise TrackingError(route_problem[0], name, route_problem[1])
     attnames = [key_field.attname]
     if amount_field is not None:
         attnames.append(amount_field.attname)
@@ -217,7 +229,7 @@ def track(
 
 
 def _add(tracker: Tracker) -> None:
-    from . import counting, signals
+    from . import counting, routes, signals
 
     model = tracker.model
     _trackers[tracker.name] = tracker
@@ -229,6 +241,8 @@ def _add(tracker: Tracker) -> None:
     _names[model] = frozenset({f.name for f in fields} | {f.attname for f in fields})
     counting.install_save(model)
     signals.connect_model(model)
+    for tracked in _by_model:  # a new tracked model may be a relative of the others
+        routes.install(tracked)
     logger.debug("tracking %s: %s", tracker.name, tracker.signature)
 
 
