@@ -51,6 +51,11 @@ def route_sentinel() -> RouteOwner:
     return RouteOwner.objects.get_or_create(name="sentinel")[0]
 
 
+def route_sentinel_pk() -> int:
+    """The default of ``RouteEntry.backup`` (``SET_DEFAULT``): the sentinel's key."""
+    return route_sentinel().pk
+
+
 class RouteStats(models.Model):
     """One row per owner: a column per ``route_*`` counter."""
 
@@ -80,7 +85,7 @@ class RouteEntry(models.Model):
         on_delete=models.SET_DEFAULT,
         null=True,
         blank=True,
-        default=None,
+        default=route_sentinel_pk,
         related_name="backed",
     )
     editor = models.ForeignKey(
