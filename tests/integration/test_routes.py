@@ -17,6 +17,7 @@ from django.db.models import F
 
 import counters
 from counters.api import rebuild_all
+from notifications.models import Notification, UnreadCounter
 from tests.blog.models import (
     RouteBase,
     RouteChild,
@@ -26,6 +27,7 @@ from tests.blog.models import (
     route_sentinel,
 )
 from tests.blog.routes import assert_routes_exact, stored, truth, wrong
+from tests.helpers import assert_exact
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -245,12 +247,24 @@ def test_the_reported_counts_of_the_internal_routes(world):
     assert child == (2, 2)
 
 
+def test_mark_read_and_mark_all_read_count_only_what_they_changed(make_user):
+    alice, bob = make_user(), make_user()
+    rows = [Notification.objects.create(recipient=u, verb="v") for u in (alice, alice, bob)]
+    assert rows[0].mark_read() is True
+    assert Notification.objects.get(pk=rows[0].pk).mark_read() is False
+    assert Notification.objects.filter(recipient=alice).mark_all_read() == 1
+    assert rows[2].mark_unread() is False
+    assert Notification.objects.filter(recipient=bob).mark_all_unread() == 0
+    assert UnreadCounter.objects.get_counts([alice, bob]) == {alice.pk: 0, bob.pk: 1}
+    assert_exact(alice, bob)
+
+
 def stored_after_flush(owner: int) -> int:
     counters.flush()
     return stored("route_child_flagged", owner)
 
 
-def test_raw_sql_and_paused_changes_are_not_counted_and_a_rebuild_repairs_them(world):
+def test_raw_sql_paused_changes_are_not_counted_and_a_rebuild_repairs_them(world):
     with counters.paused():
         RouteEntry.objects.filter(owner=world.a).update(owner=world.c)
     with connection.cursor() as cursor:
@@ -261,7 +275,9 @@ def test_raw_sql_and_paused_changes_are_not_counted_and_a_rebuild_repairs_them(w
         ("route_edited", world.a.pk),
         ("route_edited", world.c.pk),
         ("route_base_flagged", world.a.pk),
+        ("route_base_flagged", world.b.pk),
         ("route_child_flagged", world.a.pk),
+        ("route_child_flagged", world.b.pk),
     }
     rebuild_all()
     assert_routes_exact()
