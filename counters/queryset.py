@@ -19,7 +19,7 @@ from django.db import NotSupportedError, models, transaction
 
 from .context import counted_rows, is_paused
 from .counting import instance_row, locked_rows, plain, read_rows
-from .routes import count_relatives, lock_relatives, touched_relatives
+from .routes import count_relatives, lock_relatives, lock_roots, spans_tables, touched_relatives
 from .signals import rows_changed
 from .tracking import touches, tracked_fields, trackers_for
 from .utils import batched, model_field
@@ -48,6 +48,8 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
             raise TypeError("Cannot update a query once a slice has been taken.")
         using = self._write_db()
         with transaction.atomic(using=using):
+            if spans_tables(model):  # the root table's rows first, as every route does
+                lock_roots(model, self.values("pk"), using)
             locked = locked_rows(self)
             if not locked:
                 return 0

@@ -87,6 +87,28 @@ def touched_relatives(
     return tuple(t for t in relatives(model) if touches(t, names))
 
 
+def spans_tables(model: type[models.Model]) -> bool:
+    """Whether a row of ``model`` spans several tables, or shares one with a tracked relative."""
+    return bool(concrete_model(model)._meta.parents) or bool(relatives(model))
+
+
+def _roots(model: type[models.Model]) -> list[type[models.Model]]:
+    concrete = concrete_model(model)
+    roots = [p for p in concrete._meta.get_parent_list() if not p._meta.parents] or [concrete]
+    return sorted(roots, key=lambda m: m._meta.label)
+
+
+def lock_roots(model: type[models.Model], pks: Any, using: str) -> None:
+    """Lock the rows ``pks`` (a list or a queryset of primary keys) in the root table(s).
+
+    Every route to a row spanning several tables takes this lock first, so
+    writers through the parent and through the child queue on one row
+    instead of deadlocking on two. Must run inside a transaction.
+    """
+    for root in _roots(model):
+        list(plain(root, using).filter(pk__in=pks).select_for_update().values_list("pk"))
+
+
 def sharers(model: type[models.Model]) -> list[type[models.Model]]:
     """``model``, its proxies, and every multi-table relative and its proxies."""
     tables = _tables(model)
@@ -161,22 +183,21 @@ def after_save(
 
 
 def _install_save(model: type[models.Model]) -> None:
-    """Run ``model.save()`` of an existing row in ``atomic()``, so the relatives' locks hold."""
+    """Save an existing row in ``atomic()``, its root row locked first (:func:`lock_roots`)."""
     if model.__dict__.get("_counters_relatives_save"):
         return
     original = model.save
 
     @functools.wraps(original)
     def save(self: models.Model, *args: Any, **kwargs: Any) -> None:
+        if is_paused() or self.pk is None or not spans_tables(type(self)):
+            return original(self, *args, **kwargs)
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
-        if (
-            is_paused()
-            or self.pk is None
-            or connections[using].in_atomic_block
-            or not relatives(type(self))
-        ):
+        if connections[using].in_atomic_block:
+            lock_roots(type(self), [self.pk], using)
             return original(self, *args, **kwargs)
         with transaction.atomic(using=using):
+            lock_roots(type(self), [self.pk], using)
             return original(self, *args, **kwargs)
 
     save.alters_data = True  # type: ignore[attr-defined]
@@ -256,9 +277,10 @@ def install(model: type[models.Model]) -> None:
     install_collector()
     for sharer in sharers(model):
         _install_base_manager(sharer)
+        if spans_tables(sharer):
+            _install_save(sharer)
         if not relatives(sharer):
             continue  # no receiver on the saves of a model that shares no tracked rows
-        _install_save(sharer)
         uid = f"counters:relatives:{sharer._meta.label}"
         pre_save.connect(before_save, sender=sharer, dispatch_uid=f"{uid}:pre_save")
         post_save.connect(after_save, sender=sharer, dispatch_uid=f"{uid}:post_save")
