@@ -12,7 +12,7 @@ class BlogConfig(AppConfig):
     def ready(self) -> None:
         import counters
 
-        from .models import Comment, RouteBase, RouteChild, RouteEntry
+        from .models import Comment
 
         counters.track(
             "post_comments",
@@ -29,13 +29,3 @@ class BlogConfig(AppConfig):
             where=Q(approved=True),
             amount="points",
         )
-        for name, model, key, where in (
-            ("route_entries", RouteEntry, "owner", None),
-            ("route_kept", RouteEntry, "keeper", None),
-            ("route_backed", RouteEntry, "backup", None),
-            ("route_edited", RouteEntry, "owner", Q(editor__isnull=False)),
-            ("route_base_flagged", RouteBase, "owner", Q(flag=True)),
-            ("route_child_flagged", RouteChild, "owner", Q(flag=True)),
-        ):
-            column = name.removeprefix("route_")
-            counters.track(name, model, key=key, into=f"blog.RouteStats.{column}", where=where)

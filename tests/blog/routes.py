@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from django.db import connections
+from django.db.models import Q
 
 import counters
-from tests.blog.models import RouteOwner, RouteStats
+from counters import registry, tracking
+from tests.blog.models import RouteBase, RouteChild, RouteEntry, RouteOwner, RouteStats
 
 #: counter -> the SQL counting its rows of one owner (the only parameters: the owner, True).
 TRUTH_SQL = {
@@ -22,6 +25,26 @@ TRUTH_SQL = {
     ),
 }
 COUNTERS = tuple(TRUTH_SQL)
+
+
+def track_routes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Track the ``route_*`` counters for one test; they vanish after it, the apps' stay.
+
+    Not declared by the app: the other tests see only the counters they know.
+    """
+    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
+    for name in ("_trackers", "_by_model", "_fields", "_names"):
+        monkeypatch.setattr(tracking, name, dict(getattr(tracking, name)))
+    for name, model, key, where in (
+        ("route_entries", RouteEntry, "owner", None),
+        ("route_kept", RouteEntry, "keeper", None),
+        ("route_backed", RouteEntry, "backup", None),
+        ("route_edited", RouteEntry, "owner", Q(editor__isnull=False)),
+        ("route_base_flagged", RouteBase, "owner", Q(flag=True)),
+        ("route_child_flagged", RouteChild, "owner", Q(flag=True)),
+    ):
+        column = name.removeprefix("route_")
+        counters.track(name, model, key=key, into=f"blog.RouteStats.{column}", where=where)
 
 
 def truth(name: str, owner: int, using: str = "default") -> int:

@@ -13,7 +13,7 @@ import pytest
 from django.db import connection
 
 from tests.blog.models import RouteBase, RouteChild, RouteOwner
-from tests.blog.routes import assert_routes_exact
+from tests.blog.routes import assert_routes_exact, track_routes
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -23,6 +23,12 @@ pytestmark = [
     pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs PostgreSQL row locks"),
     pytest.mark.usefixtures("redis_backend"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def route_counters(monkeypatch):
+    track_routes(monkeypatch)
+
 
 THREADS = 8
 ROUNDS = 15

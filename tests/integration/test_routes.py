@@ -26,7 +26,7 @@ from tests.blog.models import (
     RouteOwner,
     route_sentinel,
 )
-from tests.blog.routes import assert_routes_exact, stored, truth, wrong
+from tests.blog.routes import assert_routes_exact, stored, track_routes, truth, wrong
 from tests.helpers import assert_exact
 
 pytestmark = [
@@ -34,6 +34,11 @@ pytestmark = [
     pytest.mark.redis,
     pytest.mark.usefixtures("redis_backend"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def route_counters(monkeypatch):
+    track_routes(monkeypatch)
 
 
 @dataclass

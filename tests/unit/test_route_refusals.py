@@ -14,20 +14,19 @@ from django.db import models
 from django.test.utils import isolate_apps
 
 import counters
-from counters import registry, routes, tracking
+from counters import routes, tracking
 from counters.exceptions import TrackingError
 from counters.queryset import CountedQuerySet
 from tests.blog.models import Post, RouteBase, RouteChild, RouteEntry, RouteEntryProxy
+from tests.blog.routes import track_routes
 
 INTO = "blog.PostStats.points"
 
 
 @pytest.fixture(autouse=True)
 def isolated_trackers(monkeypatch):
-    """Trackers and counters a test adds vanish after it; the apps' own ones stay."""
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_names"):
-        monkeypatch.setattr(tracking, name, dict(getattr(tracking, name)))
+    """Trackers and counters a test adds vanish after it (the route_* ones too)."""
+    track_routes(monkeypatch)
 
 
 def found(check_id: str) -> list[tuple[str, str]]:
