@@ -4,9 +4,10 @@
 which Django runs through ``update()``) lock the rows they change, read
 their tracked fields before and after, and send
 :data:`counters.signals.rows_changed` with both, inside the transaction;
-the counters app's receiver adds the difference per key. Querysets of a
-model without trackers, and everything inside :func:`counters.paused`,
-behave exactly like Django's.
+the counters app's receiver adds the difference per key. An ``update()``
+also counts the rows it changes of a tracked multi-table parent or child
+(see :mod:`counters.routes`). Querysets of a model without trackers, and
+everything inside :func:`counters.paused`, behave exactly like Django's.
 """
 
 from __future__ import annotations
