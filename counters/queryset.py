@@ -87,6 +87,8 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
         total = 0
         per_model: Counter[str] = Counter()
         with transaction.atomic(using=using):
+            if spans_tables(model):  # the root table's rows first, as every route does
+                lock_roots(model, self.values("pk"), using)
             locked = locked_rows(self)
             pks = [pk for pk, _ in locked]
             target = plain(model, using)

@@ -182,14 +182,19 @@ def after_save(
     count_relatives(before, [instance.pk], using)
 
 
-def _install_save(model: type[models.Model]) -> None:
-    """Save an existing row in ``atomic()``, its root row locked first (:func:`lock_roots`)."""
-    if model.__dict__.get("_counters_relatives_save"):
+def _install_root_lock(model: type[models.Model], method: str) -> None:
+    """Run ``model.<method>()`` of an existing row in ``atomic()``, its root row locked first.
+
+    For ``save`` and ``delete`` of a row spanning several tables (see
+    :func:`lock_roots`); idempotent.
+    """
+    flag = f"_counters_root_lock_{method}"
+    if model.__dict__.get(flag):
         return
-    original = model.save
+    original = getattr(model, method)
 
     @functools.wraps(original)
-    def save(self: models.Model, *args: Any, **kwargs: Any) -> None:
+    def locked(self: models.Model, *args: Any, **kwargs: Any) -> Any:
         if is_paused() or self.pk is None or not spans_tables(type(self)):
             return original(self, *args, **kwargs)
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
@@ -200,9 +205,9 @@ def _install_save(model: type[models.Model]) -> None:
             lock_roots(type(self), [self.pk], using)
             return original(self, *args, **kwargs)
 
-    save.alters_data = True  # type: ignore[attr-defined]
-    model.save = save  # type: ignore[method-assign]
-    model._counters_relatives_save = True  # type: ignore[attr-defined]
+    locked.alters_data = True  # type: ignore[attr-defined]
+    setattr(model, method, locked)
+    setattr(model, flag, True)
 
 
 # -- the base manager -----------------------------------------------------------------
@@ -278,7 +283,8 @@ def install(model: type[models.Model]) -> None:
     for sharer in sharers(model):
         _install_base_manager(sharer)
         if spans_tables(sharer):
-            _install_save(sharer)
+            _install_root_lock(sharer, "save")
+            _install_root_lock(sharer, "delete")
         if not relatives(sharer):
             continue  # no receiver on the saves of a model that shares no tracked rows
         uid = f"counters:relatives:{sharer._meta.label}"

@@ -1,6 +1,6 @@
 """Racing writes to one multi-table row, through the parent and through the child, stay exact.
 
-Every route locks the row's tables in one order (the parent's table first),
+Every save, update and delete locks the row in the parent's table first,
 so the writers queue on the locks instead of deadlocking, and each change
 counts once in the parent's and the child's counters.
 """
@@ -64,6 +64,41 @@ def test_racing_parent_and_child_routes_neither_deadlock_nor_miscount():
             barrier.wait(timeout=10)
             for round_ in range(ROUNDS):
                 write(i, round_, pk, owners)
+        except Exception as exc:  # pragma: no cover - reported by the assertion
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [repr(e) for e in errors] == []
+    assert_routes_exact()
+
+
+def test_racing_deletes_and_updates_of_multi_table_rows_neither_deadlock_nor_miscount():
+    owner = RouteOwner.objects.create(name="o")
+    pks = [RouteChild.objects.create(owner=owner, flag=True).pk for _ in range(24)]
+    barrier = threading.Barrier(THREADS)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            for n, pk in enumerate(pks if i % 2 else reversed(pks)):
+                route = (i + n) % 4
+                if route == 0:
+                    RouteBase.objects.filter(pk=pk).update(flag=n % 2 == 0)
+                elif route == 1:
+                    RouteChild.objects.filter(pk=pk).update(flag=n % 2 == 1)
+                elif route == 2:
+                    child = RouteChild.objects.filter(pk=pk).first()
+                    if child is not None:
+                        child.delete()
+                else:
+                    RouteBase.objects.filter(pk=pk).delete()
         except Exception as exc:  # pragma: no cover - reported by the assertion
             errors.append(exc)
         finally:
