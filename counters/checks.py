@@ -244,3 +244,29 @@ def check_metrics_dir(app_configs=None, **kwargs):
             id="counters.E018",
         )
     ]
+
+
+@register("counters")
+def check_routes(app_configs=None, **kwargs):
+    """E045/E046: a model sharing a tracked model's rows has an uncounted route; W002: another
+    manager of a proxy or multi-table relative is not counted (see counters.routes)."""
+    from .routes import other_managers, refused_models
+    from .tracking import tracked_models
+
+    messages: list[CheckMessage] = [
+        Error(f"{model._meta.label}: {problem}", obj=model, id=check_id)
+        for model, check_id, problem in refused_models()
+    ]
+    for model in tracked_models():
+        for sharer, name in other_managers(model):
+            messages.append(
+                Warning(
+                    f"{sharer._meta.label}.{name} is not counted: its update() and "
+                    f"bulk_create() change rows of {model._meta.label} uncounted",
+                    hint="Give it a counters.CountedQuerySet, or use it only inside "
+                    "counters.paused() followed by counters_rebuild.",
+                    obj=sharer,
+                    id="counters.W002",
+                )
+            )
+    return messages

@@ -4,9 +4,10 @@
 which Django runs through ``update()``) lock the rows they change, read
 their tracked fields before and after, and send
 :data:`counters.signals.rows_changed` with both, inside the transaction;
-the counters app's receiver adds the difference per key. Querysets of a
-model without trackers, and everything inside :func:`counters.paused`,
-behave exactly like Django's.
+the counters app's receiver adds the difference per key. An ``update()``
+also counts the rows it changes of a tracked multi-table parent or child
+(see :mod:`counters.routes`). Querysets of a model without trackers, and
+everything inside :func:`counters.paused`, behave exactly like Django's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from django.db import NotSupportedError, models, transaction
 
 from .context import counted_rows, is_paused
 from .counting import instance_row, locked_rows, plain, read_rows
+from .routes import count_relatives, lock_relatives, lock_roots, spans_tables, touched_relatives
 from .signals import rows_changed
 from .tracking import touches, tracked_fields, trackers_for
 from .utils import batched, model_field
@@ -37,31 +39,39 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
 
     def update(self, **kwargs: Any) -> int:
         model = self.model
-        if is_paused() or not touches(model, kwargs):
+        if is_paused():
+            return super().update(**kwargs)
+        relatives = touched_relatives(model, kwargs)
+        if not relatives and not touches(model, kwargs):
             return super().update(**kwargs)
         cast(Any, self)._not_support_combined_queries("update")
         if self.query.is_sliced:
             raise TypeError("Cannot update a query once a slice has been taken.")
         using = self._write_db()
         with transaction.atomic(using=using):
+            if spans_tables(model):  # the root table's rows first, as every route does
+                lock_roots(model, self.values("pk"), using)
             locked = locked_rows(self)
             if not locked:
                 return 0
             pks = [pk for pk, _ in locked]
+            before = lock_relatives(relatives, pks, using)  # multi-table rows sharing these
             target = plain(model, using)
             moved = _moved_pks(model, using, pks, kwargs)
             changed = 0
             for chunk in batched(pks, CHUNK):
                 changed += target.filter(pk__in=chunk).update(**kwargs)
-            old = [row for _, row in locked]
-            new: list[dict[str, Any]] | None
-            if moved is not None:
-                new = _moved_rows(model, using, moved, len(old))
-            else:
-                new = _updated(model, old, kwargs)
-            if new is None:  # expressions: the database computed the new values
-                new = read_rows(model, pks, using)
-            rows_changed.send(sender=model, old=old, new=new, using=using)
+            if touches(model, kwargs):
+                old = [row for _, row in locked]
+                new: list[dict[str, Any]] | None
+                if moved is not None:
+                    new = _moved_rows(model, using, moved, len(old))
+                else:
+                    new = _updated(model, old, kwargs)
+                if new is None:  # expressions: the database computed the new values
+                    new = read_rows(model, pks, using)
+                rows_changed.send(sender=model, old=old, new=new, using=using)
+            count_relatives(before, pks, using)
         self._result_cache = None
         return changed
 
@@ -82,6 +92,8 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
         total = 0
         per_model: Counter[str] = Counter()
         with transaction.atomic(using=using):
+            if spans_tables(model):  # the root table's rows first, as every route does
+                lock_roots(model, self.values("pk"), using)
             locked = locked_rows(self)
             pks = [pk for pk, _ in locked]
             target = plain(model, using)

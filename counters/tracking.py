@@ -45,6 +45,8 @@ CHECK_IDS = {
     "counters.E014": "a counter name already registered with other arguments",
     "counters.E015": "an into model with no key field matching the key",
     "counters.E016": "an invalid counter name",
+    "counters.E045": "a base manager (Meta.base_manager_name) that is not counted",
+    "counters.E046": "a proxy or multi-table relative whose default manager is not counted",
     "counters.E050": "an into model with a NOT NULL column the flush cannot fill",
     "counters.E051": "a key, amount or where on a generated field",
     "counters.E052": "a source or into model with a composite primary key",
@@ -142,6 +144,11 @@ def all_trackers() -> list[Tracker]:
     return list(_trackers.values())
 
 
+def tracked_models() -> tuple[type[models.Model], ...]:
+    """The concrete models that have trackers, in the order they were first tracked."""
+    return tuple(_by_model)
+
+
 def track(
     name: str,
     model: type[models.Model] | str,
@@ -181,6 +188,11 @@ def track(
     manager_problem = uncounted_manager(source)
     if manager_problem:
         raise TrackingError("counters.E013", name, manager_problem)
+    from .routes import refusal
+
+    route_problem = refusal(source)
+    if route_problem:
+        raise TrackingError(route_problem[0], name, route_problem[1])
     attnames = [key_field.attname]
     if amount_field is not None:
         attnames.append(amount_field.attname)
@@ -239,7 +251,7 @@ def _registered(name: str) -> bool:
 
 
 def _add(tracker: Tracker) -> None:
-    from . import counting, signals, tombs
+    from . import counting, routes, signals, tombs
 
     model = tracker.model
     _trackers[tracker.name] = tracker
@@ -254,6 +266,8 @@ def _add(tracker: Tracker) -> None:
     spec = tracker.spec
     if tombs.reusable(spec) and spec.target_model is not None:
         tombs.connect(spec.target_model)
+    for tracked in _by_model:  # a new tracked model may be a relative of the others
+        routes.install(tracked)
     logger.debug("tracking %s: %s", tracker.name, tracker.signature)
 
 

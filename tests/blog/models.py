@@ -135,3 +135,90 @@ class DeclPairStats(models.Model):
 
     def __str__(self) -> str:
         return str(self.pk)
+
+
+# -- the routes test: every way Django changes rows of a tracked model ------------------
+
+
+class RouteOwner(models.Model):
+    name = models.CharField(max_length=50, default="")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def route_sentinel() -> RouteOwner:
+    """The owner ``RouteEntry.keeper`` falls back to when its owner is deleted (``SET()``)."""
+    return RouteOwner.objects.get_or_create(name="sentinel")[0]
+
+
+def route_sentinel_pk() -> int:
+    """The default of ``RouteEntry.backup`` (``SET_DEFAULT``): the sentinel's key."""
+    return route_sentinel().pk
+
+
+class RouteStats(models.Model):
+    """One row per owner: a column per ``route_*`` counter."""
+
+    owner = models.OneToOneField(RouteOwner, primary_key=True, on_delete=models.CASCADE)
+    entries = models.BigIntegerField(default=0)
+    kept = models.BigIntegerField(default=0)
+    backed = models.BigIntegerField(default=0)
+    edited = models.BigIntegerField(default=0)
+    base_flagged = models.BigIntegerField(default=0)
+    child_flagged = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.pk}"
+
+
+class RouteEntry(models.Model):
+    """Counted per owner, keeper, backup; and per owner while it has an editor."""
+
+    owner = models.ForeignKey(
+        RouteOwner, on_delete=models.SET_NULL, null=True, blank=True, related_name="entries"
+    )
+    keeper = models.ForeignKey(
+        RouteOwner, on_delete=models.SET(route_sentinel), null=True, blank=True, related_name="kept"
+    )
+    backup = models.ForeignKey(
+        RouteOwner,
+        on_delete=models.SET_DEFAULT,
+        null=True,
+        blank=True,
+        default=route_sentinel_pk,
+        related_name="backed",
+    )
+    editor = models.ForeignKey(
+        RouteOwner, on_delete=models.SET_NULL, null=True, blank=True, related_name="edited"
+    )
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"entry {self.pk}"
+
+
+class RouteEntryProxy(RouteEntry):
+    """A proxy with the counted manager it inherits."""
+
+    class Meta:
+        proxy = True
+
+
+class RouteBase(models.Model):
+    """A multi-table parent counted per owner while flagged; ``RouteChild`` is counted too."""
+
+    owner = models.ForeignKey(
+        RouteOwner, on_delete=models.CASCADE, null=True, blank=True, related_name="bases"
+    )
+    flag = models.BooleanField(default=False)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"base {self.pk}"
+
+
+class RouteChild(RouteBase):
+    extra = models.IntegerField(default=0)

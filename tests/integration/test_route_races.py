@@ -1,0 +1,113 @@
+"""Racing writes to one multi-table row, through the parent and through the child, stay exact.
+
+Every save, update and delete locks the row in the parent's table first,
+so the writers queue on the locks instead of deadlocking, and each change
+counts once in the parent's and the child's counters.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+
+from tests.blog.models import RouteBase, RouteChild, RouteOwner
+from tests.blog.routes import assert_routes_exact, track_routes
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.postgres,
+    pytest.mark.serial,
+    pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs PostgreSQL row locks"),
+    pytest.mark.usefixtures("redis_backend"),
+]
+
+
+@pytest.fixture(autouse=True)
+def route_counters(monkeypatch):
+    track_routes(monkeypatch)
+
+
+THREADS = 8
+ROUNDS = 15
+
+
+def write(i: int, round_: int, pk: int, owners: list[RouteOwner]) -> None:
+    """One of four routes to the same row, chosen by thread and round."""
+    flag = (i + round_) % 2 == 0
+    owner = owners[(i * 7 + round_) % len(owners)]
+    route = (i + round_) % 4
+    if route == 0:
+        RouteBase.objects.filter(pk=pk).update(flag=flag)
+    elif route == 1:
+        parent = RouteBase.objects.get(pk=pk)
+        parent.flag, parent.owner = flag, owner
+        parent.save()
+    elif route == 2:
+        child = RouteChild.objects.get(pk=pk)
+        child.flag, child.owner = flag, owner
+        child.save()
+    else:
+        RouteChild.objects.filter(pk=pk).update(owner=owner, flag=flag)
+
+
+def test_racing_parent_and_child_routes_neither_deadlock_nor_miscount():
+    owners = [RouteOwner.objects.create(name=str(i)) for i in range(3)]
+    pk = RouteChild.objects.create(owner=owners[0], flag=True).pk
+    barrier = threading.Barrier(THREADS)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            for round_ in range(ROUNDS):
+                write(i, round_, pk, owners)
+        except Exception as exc:  # pragma: no cover - reported by the assertion
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [repr(e) for e in errors] == []
+    assert_routes_exact()
+
+
+def test_racing_deletes_and_updates_of_multi_table_rows_neither_deadlock_nor_miscount():
+    owner = RouteOwner.objects.create(name="o")
+    pks = [RouteChild.objects.create(owner=owner, flag=True).pk for _ in range(24)]
+    barrier = threading.Barrier(THREADS)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait(timeout=10)
+            for n, pk in enumerate(pks if i % 2 else reversed(pks)):
+                route = (i + n) % 4
+                if route == 0:
+                    RouteBase.objects.filter(pk=pk).update(flag=n % 2 == 0)
+                elif route == 1:
+                    RouteChild.objects.filter(pk=pk).update(flag=n % 2 == 1)
+                elif route == 2:
+                    child = RouteChild.objects.filter(pk=pk).first()
+                    if child is not None:
+                        child.delete()
+                else:
+                    RouteBase.objects.filter(pk=pk).delete()
+        except Exception as exc:  # pragma: no cover - reported by the assertion
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [repr(e) for e in errors] == []
+    assert_routes_exact()
