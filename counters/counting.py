@@ -188,7 +188,46 @@ def install_save(model: type[models.Model]) -> None:
     save.alters_data = True  # type: ignore[attr-defined]
     model.save = save  # type: ignore[method-assign]
     model._save_table = _save_table  # type: ignore[attr-defined]
+    if model._meta.parents:
+        _install_save_parents(model)
     model._counters_counted_save = True  # type: ignore[attr-defined]
+
+
+#: Instance attribute: the row of a multi-table child read before its parents' tables were
+#: written (``{"model": ..., "row": ...}``), for the count of its own table's write.
+_BEFORE_PARENTS = "_counters_before_parents"
+
+
+def _install_save_parents(model: type[models.Model]) -> None:
+    """Read a multi-table child's row before ``_save_parents()`` writes its parents' tables.
+
+    A tracked field may live in a parent's table: it is written before the
+    child's own ``_save_table()``, so the old state must be read first. Django
+    runs a multi-table save in ``atomic()``: the lock holds until it commits.
+    """
+    original_parents = model._save_parents  # type: ignore[attr-defined]
+
+    @functools.wraps(original_parents)
+    def _save_parents(
+        self: models.Model, cls: Any, using: str, update_fields: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if cls is not model:  # Django recurses for the grandparents: keep what was read
+            return original_parents(self, cls, using, update_fields, *args, **kwargs)
+        self.__dict__.pop(_BEFORE_PARENTS, None)
+        if (
+            self.pk is not None
+            and not is_paused()
+            and concrete_model(type(self)) is model
+            and trackers_for(model)
+            and (update_fields is None or touches(model, update_fields))
+            and connections[using].in_atomic_block
+        ):
+            found = locked_rows(plain(model, using).filter(pk=self.pk))
+            if found:
+                self.__dict__[_BEFORE_PARENTS] = {"model": model, "row": found[0][1]}
+        return original_parents(self, cls, using, update_fields, *args, **kwargs)
+
+    model._save_parents = _save_parents  # type: ignore[attr-defined]
 
 
 def _needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) -> bool:
@@ -235,7 +274,15 @@ def counted_write(
             f"({obj.pk!r}); a counted row cannot be moved by a save: use "
             "QuerySet.update() with the new key, or a plain value"
         )
+    before = obj.__dict__.pop(_BEFORE_PARENTS, None)
     may_update = _may_update(obj, model, force_insert)
+    if before is not None and before["model"] is model and may_update:
+        # a multi-table child whose parents' tables are written already: count from the
+        # row read before them (still locked, in the save's transaction)
+        updated = write()
+        new = _new_row(obj, model, using, update_fields, before["row"] if updated else None)
+        count(model, [before["row"] if updated else None], [new], using)
+        return updated
     conn = connections[using]
     if (may_update or _has_expression(obj)) and not conn.in_atomic_block:
         with transaction.atomic(using=using):
@@ -282,6 +329,18 @@ def _write_and_count(
         )
     if not updated:
         old = None
+    count(model, [old], [_new_row(obj, model, using, update_fields, old)], using)
+    return updated
+
+
+def _new_row(
+    obj: models.Model,
+    model: type[models.Model],
+    using: str,
+    update_fields: Iterable[str] | None,
+    old: Row | None,
+) -> Row | None:
+    """The row ``obj``'s save wrote: its values, or read back if an expression decided them."""
     if update_fields is not None and old is not None:
         new = instance_row(obj, update_fields, base=old)
     else:
@@ -289,8 +348,7 @@ def _write_and_count(
     if new is None:  # an expression, or an odd value: read back what was stored
         stored = read_rows(model, [obj.pk], using)
         new = stored[0] if stored else None
-    count(model, [old], [new], using)
-    return updated
+    return new
 
 
 def _write_in_savepoint(write: Callable[[], bool], using: str) -> bool:
