@@ -9,9 +9,10 @@ the ledger's primary key, so one of them applies it.
 
 Poison isolation: a batch that fails to apply for any reason but the state of
 the database (:data:`SYSTEMIC`: a lost connection, a deadlock, a lock
-timeout, a read-only database; the batch stays in flight and the shard fails
-this run) is narrowed in Redis. Its second half goes back to pending and its
-first half stays in flight as a batch of its own (``<id>/1``, ``<id>/2``,
+timeout, a read-only database, a counter table renamed or missing in a
+deploy window; the batch stays in flight and the shard fails this run) is
+narrowed in Redis. Its second half goes back to pending and its first half
+stays in flight as a batch of its own (``<id>/1``, ``<id>/2``,
 ...), applied and acknowledged like any other. A failing half is narrowed
 again, and the halves sent back are moved next by themselves: a binary
 search, so 1000 members with one poison delta cost 11 failed transactions.
@@ -39,6 +40,7 @@ from django.db import (
     InterfaceError,
     InternalError,
     OperationalError,
+    ProgrammingError,
     connections,
     transaction,
 )
@@ -144,7 +146,8 @@ def error_line(exc: BaseException) -> str:
 #: Errors of the database rather than of a batch's deltas: the batch stays in flight as
 #: it is and the shard fails this run (the next flush tries again).
 SYSTEMIC: tuple[type[Exception], ...] = (
-    OperationalError,  # connection lost, deadlock, lock or statement timeout
+    OperationalError,  # connection lost, deadlock, lock or statement timeout, no such table
+    ProgrammingError,  # a counter table or column renamed or missing (a migration under way)
     InterfaceError,  # connection closed
     InternalError,  # read-only transaction (a failover to a replica), aborted transaction
     TransactionManagementError,
