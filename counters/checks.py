@@ -49,6 +49,7 @@ def check_settings(app_configs=None, **kwargs):
     errors += check_audit_interval()
     errors += check_durable()
     errors += check_send_delay()
+    errors += check_audit_window()
     prefix = conf.get("COUNTERS_KEY_PREFIX")
     if not prefix or any(c in prefix for c in "{} "):
         errors.append(
@@ -167,6 +168,42 @@ def check_send_delay() -> list[CheckMessage]:
             )
         ]
     return []
+
+
+def check_audit_window() -> list[CheckMessage]:
+    """E070: the audit's confirmation window is longer than a commit may wait in a sender.
+
+    The audit repairs a difference that ``CONFIRM_READINGS`` readings,
+    ``2 * COUNTERS_SOCKET_TIMEOUT + 0.2`` s apart, showed. A commit queued by
+    the per-process sender reaches Redis only ``COUNTERS_SEND_DELAY_MS``
+    later, plus a socket timeout if its push fails: a window shorter than that
+    contradicts the sender's delay (the audit stretches its readings to it,
+    but every process must share the setting).
+    """
+    from .rebuild import CONFIRM_READINGS
+
+    try:
+        delay = conf.send_delay()
+        timeout = float(conf.socket_timeout())
+    except (TypeError, ValueError):
+        return []  # E006 or E029 reports it
+    if not (math.isfinite(delay) and math.isfinite(timeout)) or delay <= 0 or timeout <= 0:
+        return []
+    window = (CONFIRM_READINGS - 1) * (2 * timeout + 0.2)
+    if window >= delay + timeout:
+        return []
+    return [
+        Error(
+            f"The audit's confirmation window ({window:g} s: {CONFIRM_READINGS} readings "
+            f"2 x COUNTERS_SOCKET_TIMEOUT + 0.2 s apart) is shorter than a commit may wait in "
+            f"the sender (COUNTERS_SEND_DELAY_MS, {delay * 1000:g} ms, plus "
+            f"COUNTERS_SOCKET_TIMEOUT, {timeout:g} s): the audit would take a commit still "
+            "queued in another process for drift.",
+            hint="Raise COUNTERS_SOCKET_TIMEOUT or lower COUNTERS_SEND_DELAY_MS, the same in "
+            "every process.",
+            id="counters.E070",
+        )
+    ]
 
 
 @register("counters", deploy=True)
