@@ -26,8 +26,11 @@ rebuilt by the dispatcher of a later run. A loss detected after that rebuild
 started stays marked until the next full rebuild (see ``counters.epoch``).
 
 The run is recorded in one Redis hash per prefix, ``<prefix>:flush_run``:
-``id``, ``parts``, ``at``, ``dispatch:<id>`` (the dispatcher's result) and
-``part:<id>:<i>`` (each part's result, as JSON). Fields carry the run id, so
+``id``, ``parts``, ``at``, ``dispatch:<id>`` (the dispatcher's result),
+``part:<id>:<i>`` (each part's result, as JSON) and ``flushed_at`` (when a
+part last recorded its result, of this run or an earlier one: the last-flush
+time of ``/metrics``). Each part is observed by ``counters.metrics`` like a
+whole flush. Fields carry the run id, so
 a part of an older run that reports late cannot be taken for a part of the
 current run. ``counters_status`` shows the newest run, whole or parallel
 (:func:`last_run`).
@@ -48,7 +51,7 @@ from redis import RedisError
 from redis.exceptions import OutOfMemoryError
 from redis.typing import EncodableT, FieldT
 
-from . import conf
+from . import conf, metrics
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import BufferUnavailable, FlushFailed
@@ -73,6 +76,10 @@ def partition(shards: int, parts: int) -> list[list[int]]:
         raise ValueError(f"need at least 1 shard and 1 part, got {shards} and {parts}")
     count = min(parts, shards)
     return [list(range(first, shards, count)) for first in range(count)]
+
+
+#: Field of the run hash: when a part of this run or an earlier one last recorded its result.
+FLUSHED_AT = "flushed_at"
 
 
 def run_key(buffer: Buffer) -> str:
@@ -104,17 +111,22 @@ def start_run(using: str, parallelism: int) -> FlushRun:
         run.result.compensated = settle_fallbacks(buffer, using)
         drain_outbox(buffer, using)
         prune_ledger(buffer, using, conf.ledger_retention())
-        _write(
-            buffer,
-            {"id": run.id, "parts": len(run.parts), "at": time.time()},
-            replace=True,
-        )
+        record: dict[FieldT, EncodableT] = {
+            "id": run.id,
+            "parts": len(run.parts),
+            "at": time.time(),
+        }
+        flushed_at = buffer.client.hget(run_key(buffer), FLUSHED_AT)
+        if flushed_at is not None:  # kept across runs: the last time any part flushed
+            record[FLUSHED_AT] = flushed_at
+        _write(buffer, record, replace=True)
         _record_dispatch(buffer, run)
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc
     return run
 
 
+@metrics.observe_flush
 def flush_part(
     *,
     using: str,
@@ -128,7 +140,8 @@ def flush_part(
 
     Only the shards: no settling, no repair, no rebuild (the dispatcher does
     those once per run). Each shard is flushed under its lease; busy ones are
-    skipped. The result is recorded for ``counters_status`` under ``run``.
+    skipped. The result is recorded for ``counters_status`` under ``run``,
+    and counted by ``counters.metrics`` as one flush run of ``using``.
     Raises :class:`BufferUnavailable` when Redis cannot be reached, and
     :class:`FlushFailed` (carrying the result) when some shards failed.
     """
@@ -177,15 +190,19 @@ def finish_run(run: FlushRun) -> FlushResult:
 def record_part(
     buffer: Buffer, run: str, index: int, parts: int, shards: Sequence[int], result: FlushResult
 ) -> None:
-    """Record the result of part ``index`` of ``run`` (a field of its own: no read-modify-write)."""
+    """Record the result of part ``index`` of ``run`` (a field of its own: no read-modify-write).
+
+    Also sets ``flushed_at``, the time any part last recorded its result.
+    """
+    now = time.time()
     record = {
         "index": index,
         "parts": parts,
         "shards": list(shards),
-        "at": time.time(),
+        "at": now,
         "result": result.as_dict(),
     }
-    _write(buffer, {f"part:{run}:{index}": json.dumps(record)})
+    _write(buffer, {f"part:{run}:{index}": json.dumps(record), FLUSHED_AT: json.dumps(now)})
 
 
 def _record_dispatch(buffer: Buffer, run: FlushRun) -> None:

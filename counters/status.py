@@ -14,7 +14,7 @@ from . import quarantine, sender
 from .audit import audit_status
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
-from .fanout import last_run
+from .fanout import FLUSHED_AT, last_run, run_key
 from .models import BufferEpoch, FlushBatch
 from .outbox import summary as outbox_summary
 from .repair import queue_key
@@ -80,6 +80,27 @@ def last_flush(buffer: Buffer) -> dict[str, Any] | None:
         return None
     newest["age_seconds"] = round(time.time() - newest.pop("at"), 3)
     return newest
+
+
+def flush_clock(buffer: Buffer) -> tuple[float, int] | None:
+    """(Unix time, failed shards) of the newest flush of shards, for ``/metrics``.
+
+    The same whether one process flushes or N tasks do: a whole flush (cron,
+    ``counters.flush()``) or a part of a parallel run, whichever recorded its
+    result last. A dispatch alone flushes no shard and does not count. The
+    failed shards of a parallel run are those of its parts reported so far.
+    None if no flush was ever recorded.
+    """
+    at, failed = buffer.client.hmget(f"{buffer.prefix}:last_flush", ["at", "failed_shards"])
+    whole = None
+    if at is not None:
+        whole = (float(json.loads(to_str(at))), len(json.loads(to_str(failed) or "{}")))
+    flushed_at = buffer.client.hget(run_key(buffer), FLUSHED_AT)
+    part = None
+    if flushed_at is not None:
+        run = last_run(buffer)
+        part = (float(to_str(flushed_at)), len(run["failed_shards"]) if run else 0)
+    return max((c for c in (whole, part) if c is not None), key=lambda c: c[0], default=None)
 
 
 def ledger_status(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
