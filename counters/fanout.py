@@ -51,7 +51,7 @@ from redis import RedisError
 from redis.exceptions import OutOfMemoryError
 from redis.typing import EncodableT, FieldT
 
-from . import conf, metrics
+from . import conf, metrics, waits
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import BufferUnavailable, FlushFailed
@@ -147,16 +147,18 @@ def flush_part(
     """
     buffer = get_buffer(using)
     chosen = sorted(set(shards))
+    budget = conf.flush_time_budget() if time_budget is None else time_budget
     try:
-        result = run_flush(
-            buffer,
-            using=using,
-            shards=chosen,
-            batch_size=conf.batch_size(),
-            time_budget=conf.flush_time_budget() if time_budget is None else time_budget,
-            lease_timeout=conf.lease_timeout(),
-            retention=None,
-        )
+        with waits.session(using, waits.apply_limits(conf.lease_timeout(), budget)):
+            result = run_flush(
+                buffer,
+                using=using,
+                shards=chosen,
+                batch_size=conf.batch_size(),
+                time_budget=budget,
+                lease_timeout=conf.lease_timeout(),
+                retention=None,
+            )
         result.rebuild_needed_since = needed_since(buffer, using)
         record_part(buffer, run, index, parts, chosen, result)
     except RedisError as exc:

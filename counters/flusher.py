@@ -42,7 +42,6 @@ from django.db import (
     OperationalError,
     ProgrammingError,
     connections,
-    transaction,
 )
 from django.db.models.sql import InsertQuery
 from django.db.transaction import TransactionManagementError
@@ -50,6 +49,7 @@ from django.utils import timezone
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from . import waits
 from .apply import apply_deltas
 from .buffer import Batch, Buffer
 from .epoch import check_epoch, record_applied, record_loss
@@ -191,13 +191,18 @@ def record_batch(batch: Batch, using: str) -> None:
 
 
 def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
-    """Apply ``batch`` unless the ledger says it already was. Raises on DB errors."""
+    """Apply ``batch`` unless the ledger says it already was. Raises on DB errors.
+
+    Under :func:`counters.waits.limited` (the flush loop), the transaction's
+    lock waits, statements and idle time are bounded: a lock timeout raises
+    ``OperationalError``.
+    """
     ledger = FlushBatch.objects.using(using)
     if batch.recovered and ledger.filter(pk=batch.batch_id).exists():
         result.already_applied += 1
         return
     try:
-        with transaction.atomic(using=using):
+        with waits.atomic(using):
             # The ledger row goes first: a second applier of the same batch
             # waits on this primary key and then fails instead of adding twice.
             record_batch(batch, using)
@@ -278,8 +283,10 @@ def flush_shard(
                     record_loss(buffer, shard, using, batch.seq)
                     result.lost_shards.append(shard)
                 if batch.items:
+                    limits = waits.apply_limits(lease_timeout, deadline - time.monotonic())
                     try:
-                        apply_batch(batch, using, result)
+                        with waits.limited(limits):
+                            apply_batch(batch, using, result)
                     except SYSTEMIC:
                         raise  # the database, not the deltas: the batch stays in flight as it is
                     except Exception as exc:

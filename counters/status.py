@@ -19,6 +19,7 @@ from .models import BufferEpoch, FlushBatch
 from .outbox import summary as outbox_summary
 from .repair import queue_key
 from .utils import to_str
+from .waits import blocked_flushes
 
 
 def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
@@ -189,6 +190,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
         "audit": audit_status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe(),
+        "blocked_flushes": blocked_flushes(using),
     }
 
 
@@ -210,4 +212,5 @@ def gather_without_redis(
         "audit": audit_status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe(),
+        "blocked_flushes": blocked_flushes(using),
     }

@@ -91,6 +91,7 @@ class Command(OneLineFailures):
                 (last.get("failed_shards") or {}).items(), key=lambda item: int(item[0])
             ):
                 lines.append(f"FAILED shard {shard} in the last flush: {error}")
+        lines += self.blocked_lines(status["blocked_flushes"])
         lines += self.quarantine_lines(status["quarantine"])
         lines.append(self.ledger_line(status["ledger"]))
         lines += self.audit_lines(status["audit"])
@@ -119,6 +120,7 @@ class Command(OneLineFailures):
             self.write_path_line(status["write_path"]),
         ]
         lines += self.rebuild_lines(epoch)
+        lines += self.blocked_lines(status["blocked_flushes"])
         lines.append(self.ledger_line(status["ledger"]))
         lines.append(f"unsettled direct writes: {status['ledger']['unsettled_fallbacks']}")
         lines += self.audit_lines(status["audit"])
@@ -186,6 +188,26 @@ class Command(OneLineFailures):
             f" fallback DB writes {ledger['fallback_writes']}"
             f" (last {_fmt(ledger['last_fallback_at'])}); dropped keys {ledger['dropped_keys']}"
         )
+
+    @staticmethod
+    def blocked_lines(blocked: list[dict]) -> list[str]:
+        """A flush waiting on a lock, and the session that holds it (PostgreSQL)."""
+        lines = []
+        for wait in blocked:
+            by = wait["blocked_by"]
+            lines.append(
+                f"BLOCKED FLUSH: pid {wait['pid']} ({wait['application'] or '-'}) has waited "
+                f"{wait['waiting_seconds']:.1f}s for a lock held by pid {by['pid']} "
+                f"({by['application'] or '-'}, {by['state'] or '-'}, client "
+                f"{by['client'] or 'local'}, in its transaction for "
+                f"{by['transaction_seconds']:.1f}s): {by['query'][:100]}"
+            )
+        if lines:
+            lines.append(
+                "  a frozen flusher's session ends after its idle-in-transaction timeout; "
+                "or end it: SELECT pg_terminate_backend(<pid>)"
+            )
+        return lines
 
     @staticmethod
     def quarantine_lines(quarantine: dict) -> list[str]:

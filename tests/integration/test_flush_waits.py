@@ -1,0 +1,67 @@
+"""The apply transaction runs under lock, statement and idle limits derived from the lease
+and the time budget; the session's own settings are put back after the flush."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+from django.db import connection
+
+import counters
+from counters import flusher
+from counters.waits import MIN_IDLE, MIN_WAIT, Limits, apply_limits
+from notifications.models import Notification
+from tests.helpers import stored, truth
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+
+
+@pytest.mark.parametrize(
+    ("lease", "remaining", "expected"),
+    [
+        (30, 100, Limits(lock=15, statement=15, idle=60)),
+        (30, 5, Limits(lock=5, statement=15, idle=60)),
+        (30, 0.01, Limits(lock=MIN_WAIT, statement=15, idle=MIN_IDLE)),
+        (0.4, 5, Limits(lock=MIN_WAIT, statement=MIN_WAIT, idle=MIN_IDLE)),
+        (120, 300, Limits(lock=60, statement=60, idle=240)),
+    ],
+    ids=str,
+)
+def test_limits_come_from_the_lease_and_the_budget(lease, remaining, expected):
+    assert apply_limits(lease, remaining) == expected
+
+
+def session_settings() -> tuple:
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "
+                "current_setting('idle_in_transaction_session_timeout')"
+            )
+            return cursor.fetchone()
+        cursor.execute("PRAGMA busy_timeout")
+        return cursor.fetchone()
+
+
+def test_the_apply_transaction_runs_under_the_limits(settings, make_user):
+    settings.COUNTERS_LEASE_TIMEOUT = 8
+    users = [make_user() for _ in range(6)]
+    Notification.objects.notify(users, verb="v")
+    before = session_settings()
+    seen: list[tuple] = []
+    real = flusher.apply_deltas
+
+    def spy(deltas, using):
+        seen.append(session_settings())
+        return real(deltas, using)
+
+    with mock.patch.object(flusher, "apply_deltas", spy):
+        counters.flush(time_budget=60)
+    assert seen
+    if connection.vendor == "postgresql":
+        assert set(seen) == {("4s", "4s", "1min")}  # half the 8 s lease; idle at least 60 s
+    else:
+        assert set(seen) == {(4000,)}
+    assert session_settings() == before  # put back after the flush
+    assert [stored(u) for u in users] == [truth(u) for u in users] == [1] * 6
