@@ -89,9 +89,9 @@ def atomic(using: str) -> Iterator[None]:
     """``transaction.atomic(using)`` under the limits of the enclosing :func:`limited`.
 
     PostgreSQL: ``SET LOCAL`` of the three timeouts, first thing in the
-    transaction. SQLite and MySQL: the session's lock wait, set before BEGIN
-    (SQLite's ``BEGIN IMMEDIATE`` already waits for the lock) and put back
-    after the transaction. Without limits, a plain ``atomic``.
+    transaction (one round trip). SQLite and MySQL: the session's lock wait,
+    set before BEGIN (SQLite's ``BEGIN IMMEDIATE`` already waits for the lock)
+    and put back after the transaction. Without limits, a plain ``atomic``.
     """
     limits = _current.get()
     if limits is None:
@@ -99,7 +99,9 @@ def atomic(using: str) -> Iterator[None]:
             yield
         return
     conn = connections[using]
-    with session(using, limits), transaction.atomic(using=using):
+    # PostgreSQL needs no session setting (and its two round trips per batch) here.
+    outer = session(using, limits) if conn.vendor != "postgresql" else nullcontext()
+    with outer, transaction.atomic(using=using):
         if conn.vendor == "postgresql":
             with conn.cursor() as cursor:
                 cursor.execute(
@@ -166,9 +168,12 @@ def _restored(conn: Any, read: str, write: str, value: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        if conn.is_usable() and not conn.needs_rollback:
-            with conn.cursor() as cursor:
-                put(cursor, before)
+        try:
+            if conn.is_usable() and not conn.needs_rollback:
+                with conn.cursor() as cursor:
+                    put(cursor, before)
+        except DatabaseError as exc:  # the connection broke: it is replaced, setting and all
+            logger.debug("could not restore a session setting: %s", exc)
 
 
 #: Sessions of this database waiting on a lock, each with a session blocking it.

@@ -18,7 +18,7 @@ from notifications.models import Notification
 from tests.helpers import stored, truth
 from tests.procs import project_env, run_manage
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis, pytest.mark.serial]
 
 REDIS_DOWN = "redis://127.0.0.1:1/0"
 DB_DOWN = "postgres://postgres@127.0.0.1:1/nowhere"
