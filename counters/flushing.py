@@ -64,7 +64,7 @@ def flush(
         return added_up(list(results.values()))
     buffer = get_buffer(using)
     budget = conf.flush_time_budget() if time_budget is None else time_budget
-    # No lock wait of this flush outlasts its budget or half the lease (counters.waits).
+    # No lock wait of this flush outlasts its time budget (counters.waits).
     with waits.session(using, waits.apply_limits(conf.lease_timeout(), budget)):
         result = _flush_one(buffer, using, budget, retry_quarantined, discard_quarantined)
     if result.failed_shards:

@@ -4,7 +4,7 @@ A flusher frozen inside its apply transaction (a VM paused, a host lost
 without a TCP reset) keeps its row locks and its uncommitted ledger row. The
 next flusher takes the shard once the lease expires, recovers the batch, and
 its ledger insert queues behind the frozen one. So the apply transaction runs
-under limits derived from the lease and the time budget (:func:`apply_limits`):
+under limits derived from the time budget and the lease (:func:`apply_limits`):
 
 - PostgreSQL: ``SET LOCAL lock_timeout``, ``statement_timeout`` and
   ``idle_in_transaction_session_timeout``; the last one makes the server end
@@ -53,15 +53,18 @@ def apply_limits(lease_timeout: float, remaining: float) -> Limits:
     """The limits of one apply transaction of a flusher holding a lease of ``lease_timeout``.
 
     Invariants: a lock wait ends within the time budget left (``remaining``,
-    at least :data:`MIN_WAIT`) and within half the lease, so the flusher
-    returns before its lease runs out; a statement ends within half the lease
-    too; a session idle in the transaction for twice the lease (at least
-    :data:`MIN_IDLE`) is ended by the server.
+    at least :data:`MIN_WAIT`), so ``--time-budget`` holds whatever holds the
+    lock; a statement ends within that, or within the lease if that is
+    longer (a big batch near the end of the budget still gets a lease's
+    time); a session idle in the transaction for twice the lease (at least
+    :data:`MIN_IDLE`) is frozen, and the server ends it. Waiting past the own
+    lease is safe: a batch applied meanwhile by another flusher collides on
+    the ledger's primary key and is only acknowledged.
     """
-    half = max(MIN_WAIT, lease_timeout / 2)
+    lock = max(MIN_WAIT, remaining)
     return Limits(
-        lock=max(MIN_WAIT, min(half, remaining)),
-        statement=half,
+        lock=lock,
+        statement=max(lock, lease_timeout),
         idle=max(MIN_IDLE, 2 * lease_timeout),
     )
 
