@@ -51,6 +51,7 @@ from .rebuild import (
     confirm_drifts,
     default_confirm_delay,
     rebuild_lease,
+    sender_floor,
 )
 from .registry import CounterSpec, TruthSource, all_specs, get_spec
 from .utils import first_line, to_str
@@ -215,7 +216,9 @@ def audit(
     """One audit run of database ``using``: the next slice of keys of every audited counter.
 
     ``slice_size`` defaults to ``COUNTERS_AUDIT_SLICE``, ``confirm_delay`` to
-    the rebuild's (``2 * COUNTERS_SOCKET_TIMEOUT + 0.2`` s). Raises
+    the rebuild's (``2 * COUNTERS_SOCKET_TIMEOUT + 0.2`` s), and is never
+    shorter than a commit may wait in a sender's queue
+    (``COUNTERS_SEND_DELAY_MS`` plus the socket timeout and 0.2 s). Raises
     :class:`BufferUnavailable` when Redis cannot be reached: without the
     buffered deltas the exact values are unknown. Returns with ``skipped``
     set, having done nothing, when a rebuild or another audit of the same key
@@ -227,6 +230,8 @@ def audit(
         raise ValueError(f"the audit slice must be at least 1 key (got {slice_size})")
     if confirm_delay is None:
         confirm_delay = default_confirm_delay()
+    # Never shorter than a commit may wait in a sender's queue (and its push).
+    confirm_delay = max(confirm_delay, sender_floor())
     result = AuditResult(using=using)
     started = time.monotonic()
     buffer = get_buffer(using)

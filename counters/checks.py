@@ -49,6 +49,7 @@ def check_settings(app_configs=None, **kwargs):
     errors += check_audit_interval()
     errors += check_durable()
     errors += check_send_delay()
+    errors += check_audit_window()
     prefix = conf.get("COUNTERS_KEY_PREFIX")
     if not prefix or any(c in prefix for c in "{} "):
         errors.append(
@@ -169,6 +170,42 @@ def check_send_delay() -> list[CheckMessage]:
     return []
 
 
+def check_audit_window() -> list[CheckMessage]:
+    """E070: the audit's confirmation window is longer than a commit may wait in a sender.
+
+    The audit repairs a difference that ``CONFIRM_READINGS`` readings,
+    ``2 * COUNTERS_SOCKET_TIMEOUT + 0.2`` s apart, showed. A commit queued by
+    the per-process sender reaches Redis only ``COUNTERS_SEND_DELAY_MS``
+    later, plus a socket timeout if its push fails: a window shorter than that
+    contradicts the sender's delay (the audit stretches its readings to it,
+    but every process must share the setting).
+    """
+    from .rebuild import CONFIRM_READINGS
+
+    try:
+        delay = conf.send_delay()
+        timeout = float(conf.socket_timeout())
+    except (TypeError, ValueError):
+        return []  # E006 or E029 reports it
+    if not (math.isfinite(delay) and math.isfinite(timeout)) or delay <= 0 or timeout <= 0:
+        return []
+    window = (CONFIRM_READINGS - 1) * (2 * timeout + 0.2)
+    if window >= delay + timeout:
+        return []
+    return [
+        Error(
+            f"The audit's confirmation window ({window:g} s: {CONFIRM_READINGS} readings "
+            f"2 x COUNTERS_SOCKET_TIMEOUT + 0.2 s apart) is shorter than a commit may wait in "
+            f"the sender (COUNTERS_SEND_DELAY_MS, {delay * 1000:g} ms, plus "
+            f"COUNTERS_SOCKET_TIMEOUT, {timeout:g} s): the audit would take a commit still "
+            "queued in another process for drift.",
+            hint="Raise COUNTERS_SOCKET_TIMEOUT or lower COUNTERS_SEND_DELAY_MS, the same in "
+            "every process.",
+            id="counters.E070",
+        )
+    ]
+
+
 @register("counters", deploy=True)
 def check_redis_reachable(app_configs=None, **kwargs):
     from redis import RedisError
@@ -186,6 +223,80 @@ def check_redis_reachable(app_configs=None, **kwargs):
             )
         ]
     return []
+
+
+#: Eviction policies that may evict any key, the pending deltas included.
+EVICTS_ANY = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+
+
+def _eviction_policies(client: Any) -> set[str]:
+    """``maxmemory-policy`` of the Redis behind ``client`` (of every node of a cluster)."""
+    reply = client.config_get("maxmemory-policy")
+    found: set[str] = set()
+
+    def text(value: Any) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def walk(value: Any) -> None:  # a cluster answers {node: {name: value}}
+        if isinstance(value, dict):
+            for name, item in value.items():
+                if text(name) == "maxmemory-policy":
+                    found.add(text(item))
+                else:
+                    walk(item)
+
+    walk(reply)
+    return found
+
+
+@register("counters", deploy=True)
+def check_redis_eviction(app_configs=None, **kwargs):
+    """E071: an ``allkeys-*`` policy evicts buffered deltas; W018: ``volatile-*`` evicts
+    leases and push fences; W019: the policy cannot be read (CONFIG disabled).
+
+    Redis unreachable is W001's (``check_redis_reachable``): nothing here.
+    """
+    from redis import RedisError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from .client import get_client
+
+    try:
+        policies = _eviction_policies(get_client())
+    except (RedisConnectionError, RedisTimeoutError):
+        return []
+    except RedisError as exc:
+        return [
+            Warning(
+                f"Could not read Redis's maxmemory-policy at {conf.redis_url()}: {exc}",
+                hint="Make sure it is noeviction: an evicting policy drops buffered deltas.",
+                id="counters.W019",
+            )
+        ]
+    messages: list[CheckMessage] = []
+    for policy in sorted(policies):
+        if policy in EVICTS_ANY:
+            messages.append(
+                Error(
+                    f"Redis at {conf.redis_url()} has maxmemory-policy {policy}: at maxmemory "
+                    "it evicts buffered deltas, and their counts are lost until a rebuild.",
+                    hint="Set maxmemory-policy noeviction: a full Redis then refuses pushes "
+                    "and commits write to the database directly.",
+                    id="counters.E071",
+                )
+            )
+        elif policy.startswith("volatile-"):
+            messages.append(
+                Warning(
+                    f"Redis at {conf.redis_url()} has maxmemory-policy {policy}: at maxmemory "
+                    "it evicts keys with a TTL, the flush leases and the fences of late "
+                    "pushes among them.",
+                    hint="Set maxmemory-policy noeviction.",
+                    id="counters.W018",
+                )
+            )
+    return messages
 
 
 @register("counters")

@@ -36,13 +36,37 @@ class InvalidKey(CountersError, ValueError):
         )
 
 
+def redis_failure(url: str, cause: BaseException) -> str:
+    """What went wrong with Redis at ``url``, named by kind: unreachable, or an error reply.
+
+    A connection refused or a timeout is "unreachable"; an error reply
+    (``WRONGTYPE``, ``OOM``, ``READONLY``, ``NOSCRIPT`` ...) means Redis
+    answered, and says so; anything else is a "Redis error".
+    """
+    from redis.exceptions import ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if isinstance(cause, (RedisConnectionError, RedisTimeoutError)):
+        return f"Redis unreachable at {url}: {cause}"
+    if isinstance(cause, ResponseError):
+        return f"Redis at {url} answered with an error reply: {cause}"
+    return f"Redis error at {url}: {type(cause).__name__}: {cause}"
+
+
 class BufferUnavailable(CountersError):
-    """Redis could not be reached; ``url`` says where it was looked for."""
+    """Redis could not be used: unreachable, or it answered with an error (``cause``).
+
+    ``url`` says where it was looked for; ``reachable`` is False when it could
+    not be reached at all (a connection refused, a timeout).
+    """
 
     def __init__(self, url: str, cause: BaseException) -> None:
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
         self.url = url
         self.cause = cause
-        super().__init__(f"Redis unreachable at {url}: {cause}")
+        self.reachable = not isinstance(cause, (RedisConnectionError, RedisTimeoutError))
+        super().__init__(redis_failure(url, cause))
 
 
 class NotConnected(RedisConnectionError):

@@ -17,7 +17,6 @@ Two sources make up a scrape:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -40,7 +39,7 @@ from redis import RedisError
 
 from . import conf, metrics, status
 from .client import databases, get_buffer
-from .utils import first_line, to_str
+from .utils import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +106,7 @@ class StateCollector:
         shards: list[dict[str, Any]] = []
         try:
             shards = status.shard_status(buffer, int(time.time() * 1000))
-            last_at, last_failed = buffer.client.hmget(
-                f"{buffer.prefix}:last_flush", ["at", "failed_shards"]
-            )
+            last = status.flush_clock(buffer)
             pipe = buffer.client.pipeline(transaction=False)
             for shard in range(buffer.shards):
                 pipe.hlen(buffer.key(shard, "quarantine"))
@@ -155,19 +152,19 @@ class StateCollector:
                 db,
                 queued,
             )
-            if last_at is not None:
+            if last is not None:
                 out.gauge(
                     "tally_last_flush_timestamp_seconds",
-                    "Unix time at which the last flush of this database recorded its result.",
+                    "Unix time at which the last flush of this database recorded its result "
+                    "(a whole flush, or a part of a parallel one).",
                     db,
-                    float(json.loads(to_str(last_at) or "0")),
+                    last[0],
                 )
-                failed = json.loads(to_str(last_failed) or "{}") if last_failed else {}
                 out.gauge(
                     "tally_last_flush_failed_shards",
                     "Shards the last flush could not flush (their batches stay in flight).",
                     db,
-                    len(failed),
+                    last[1],
                 )
         self._collect_database(using, buffer, shards, out)
 

@@ -26,8 +26,11 @@ rebuilt by the dispatcher of a later run. A loss detected after that rebuild
 started stays marked until the next full rebuild (see ``counters.epoch``).
 
 The run is recorded in one Redis hash per prefix, ``<prefix>:flush_run``:
-``id``, ``parts``, ``at``, ``dispatch:<id>`` (the dispatcher's result) and
-``part:<id>:<i>`` (each part's result, as JSON). Fields carry the run id, so
+``id``, ``parts``, ``at``, ``dispatch:<id>`` (the dispatcher's result),
+``part:<id>:<i>`` (each part's result, as JSON) and ``flushed_at`` (when a
+part last recorded its result, of this run or an earlier one: the last-flush
+time of ``/metrics``). Each part is observed by ``counters.metrics`` like a
+whole flush. Fields carry the run id, so
 a part of an older run that reports late cannot be taken for a part of the
 current run. ``counters_status`` shows the newest run, whole or parallel
 (:func:`last_run`).
@@ -49,7 +52,7 @@ from redis import RedisError
 from redis.exceptions import OutOfMemoryError
 from redis.typing import EncodableT, FieldT
 
-from . import conf, layout
+from . import conf, layout, metrics, waits
 from .buffer import Buffer
 from .client import get_buffer
 from .exceptions import BufferUnavailable, FlushFailed
@@ -74,6 +77,10 @@ def partition(shards: int, parts: int) -> list[list[int]]:
         raise ValueError(f"need at least 1 shard and 1 part, got {shards} and {parts}")
     count = min(parts, shards)
     return [list(range(first, shards, count)) for first in range(count)]
+
+
+#: Field of the run hash: when a part of this run or an earlier one last recorded its result.
+FLUSHED_AT = "flushed_at"
 
 
 def run_key(buffer: Buffer) -> str:
@@ -106,11 +113,15 @@ def start_run(using: str, parallelism: int) -> FlushRun:
         drain_outbox(buffer, using)
         drain_layouts(buffer, run)
         prune_ledger(buffer, using, conf.ledger_retention())
-        _write(
-            buffer,
-            {"id": run.id, "parts": len(run.parts), "at": time.time()},
-            replace=True,
-        )
+        record: dict[FieldT, EncodableT] = {
+            "id": run.id,
+            "parts": len(run.parts),
+            "at": time.time(),
+        }
+        flushed_at = buffer.client.hget(run_key(buffer), FLUSHED_AT)
+        if flushed_at is not None:  # kept across runs: the last time any part flushed
+            record[FLUSHED_AT] = flushed_at
+        _write(buffer, record, replace=True)
         _record_dispatch(buffer, run)
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc
@@ -135,6 +146,7 @@ def drain_layouts(buffer: Buffer, run: FlushRun) -> None:
         logger.error(LAYOUT_PENDING_MESSAGE, run.using, "; ".join(run.result.layouts_pending))
 
 
+@metrics.observe_flush
 def flush_part(
     *,
     using: str,
@@ -148,22 +160,25 @@ def flush_part(
 
     Only the shards: no settling, no repair, no rebuild (the dispatcher does
     those once per run). Each shard is flushed under its lease; busy ones are
-    skipped. The result is recorded for ``counters_status`` under ``run``.
+    skipped. The result is recorded for ``counters_status`` under ``run``,
+    and counted by ``counters.metrics`` as one flush run of ``using``.
     Raises :class:`BufferUnavailable` when Redis cannot be reached, and
     :class:`FlushFailed` (carrying the result) when some shards failed.
     """
     buffer = get_buffer(using)
     chosen = sorted(set(shards))
+    budget = conf.flush_time_budget() if time_budget is None else time_budget
     try:
-        result = run_flush(
-            buffer,
-            using=using,
-            shards=chosen,
-            batch_size=conf.batch_size(),
-            time_budget=conf.flush_time_budget() if time_budget is None else time_budget,
-            lease_timeout=conf.lease_timeout(),
-            retention=None,
-        )
+        with waits.session(using, waits.apply_limits(conf.lease_timeout(), budget)):
+            result = run_flush(
+                buffer,
+                using=using,
+                shards=chosen,
+                batch_size=conf.batch_size(),
+                time_budget=budget,
+                lease_timeout=conf.lease_timeout(),
+                retention=None,
+            )
         result.rebuild_needed_since = needed_since(buffer, using)
         record_part(buffer, run, index, parts, chosen, result)
     except RedisError as exc:
@@ -198,15 +213,19 @@ def finish_run(run: FlushRun) -> FlushResult:
 def record_part(
     buffer: Buffer, run: str, index: int, parts: int, shards: Sequence[int], result: FlushResult
 ) -> None:
-    """Record the result of part ``index`` of ``run`` (a field of its own: no read-modify-write)."""
+    """Record the result of part ``index`` of ``run`` (a field of its own: no read-modify-write).
+
+    Also sets ``flushed_at``, the time any part last recorded its result.
+    """
+    now = time.time()
     record = {
         "index": index,
         "parts": parts,
         "shards": list(shards),
-        "at": time.time(),
+        "at": now,
         "result": result.as_dict(),
     }
-    _write(buffer, {f"part:{run}:{index}": json.dumps(record)})
+    _write(buffer, {f"part:{run}:{index}": json.dumps(record), FLUSHED_AT: json.dumps(now)})
 
 
 def _record_dispatch(buffer: Buffer, run: FlushRun) -> None:

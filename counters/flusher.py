@@ -9,13 +9,14 @@ the ledger's primary key, so one of them applies it.
 
 Poison isolation: a batch that fails to apply for any reason but the state of
 the database (:data:`SYSTEMIC`: a lost connection, a deadlock, a lock
-timeout, a read-only database; the batch stays in flight and the shard fails
-this run) is narrowed in Redis. Its second half goes back to pending and its
-first half stays in flight as a batch of its own (``<id>/1``, ``<id>/2``,
-...) with the shard's next batch sequence number, applied and acknowledged
-like any other (a new number, so that a Redis restored from a snapshot taken
-before the narrowing is seen to be behind the DB: see :mod:`counters.epoch`).
-A failing half is narrowed again, and the halves sent back are moved next by themselves: a binary
+timeout, a read-only database, a counter table renamed or missing in a
+deploy window; the batch stays in flight and the shard fails this run) is
+narrowed in Redis. Its second half goes back to pending and its first half
+stays in flight as a batch of its own (``<id>/1``, ``<id>/2``, ...) with the
+shard's next batch sequence number, applied and acknowledged like any other
+(a new number, so that a Redis restored from a snapshot taken before the
+narrowing is seen to be behind the DB: see :mod:`counters.epoch`). A failing
+half is narrowed again, and the halves sent back are moved next by themselves: a binary
 search, so 1000 members with one poison delta cost 11 failed transactions.
 A member that fails alone is moved to the shard's quarantine with its error
 (not applied, not lost) and the rest of the shard flows on. Every step is one
@@ -41,8 +42,8 @@ from django.db import (
     InterfaceError,
     InternalError,
     OperationalError,
+    ProgrammingError,
     connections,
-    transaction,
 )
 from django.db.models.sql import InsertQuery
 from django.db.transaction import TransactionManagementError
@@ -50,6 +51,7 @@ from django.utils import timezone
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from . import waits
 from .apply import apply_deltas
 from .buffer import Batch, Buffer
 from .epoch import check_epoch, record_applied, record_loss
@@ -149,7 +151,8 @@ def error_line(exc: BaseException) -> str:
 #: Errors of the database rather than of a batch's deltas: the batch stays in flight as
 #: it is and the shard fails this run (the next flush tries again).
 SYSTEMIC: tuple[type[Exception], ...] = (
-    OperationalError,  # connection lost, deadlock, lock or statement timeout
+    OperationalError,  # connection lost, deadlock, lock or statement timeout, no such table
+    ProgrammingError,  # a counter table or column renamed or missing (a migration under way)
     InterfaceError,  # connection closed
     InternalError,  # read-only transaction (a failover to a replica), aborted transaction
     TransactionManagementError,
@@ -193,13 +196,18 @@ def record_batch(batch: Batch, using: str) -> None:
 
 
 def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
-    """Apply ``batch`` unless the ledger says it already was. Raises on DB errors."""
+    """Apply ``batch`` unless the ledger says it already was. Raises on DB errors.
+
+    Under :func:`counters.waits.limited` (the flush loop), the transaction's
+    lock waits, statements and idle time are bounded: a lock timeout raises
+    ``OperationalError``.
+    """
     ledger = FlushBatch.objects.using(using)
     if batch.recovered and ledger.filter(pk=batch.batch_id).exists():
         result.already_applied += 1
         return
     try:
-        with transaction.atomic(using=using):
+        with waits.atomic(using):
             # The ledger row goes first: a second applier of the same batch
             # waits on this primary key and then fails instead of adding twice.
             record_batch(batch, using)
@@ -280,8 +288,10 @@ def flush_shard(
                     record_loss(buffer, shard, using, batch.seq)
                     result.lost_shards.append(shard)
                 if batch.items:
+                    limits = waits.apply_limits(lease_timeout, deadline - time.monotonic())
                     try:
-                        apply_batch(batch, using, result)
+                        with waits.limited(limits):
+                            apply_batch(batch, using, result)
                     except SYSTEMIC:
                         raise  # the database, not the deltas: the batch stays in flight as it is
                     except Exception as exc:

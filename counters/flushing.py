@@ -19,7 +19,7 @@ from django.utils import timezone
 from redis import RedisError
 from redis.exceptions import OutOfMemoryError
 
-from . import conf, layout, metrics, quarantine, sender
+from . import conf, layout, metrics, quarantine, sender, waits
 from .buffer import Buffer
 from .client import databases, get_buffer
 from .exceptions import BufferUnavailable, FlushFailed, RebuildRunning, RepairFenced
@@ -64,8 +64,6 @@ def flush(
     Raises :class:`BufferUnavailable` when Redis cannot be reached and
     :class:`FlushFailed` (carrying the result) when some shards failed.
     """
-    from .flusher import flush as run_flush
-
     sender.push_queued(using)  # what this process committed is flushed too
     if using is None:
         results = flush_databases(
@@ -75,6 +73,25 @@ def flush(
         )
         return added_up(list(results.values()))
     buffer = get_buffer(using)
+    budget = conf.flush_time_budget() if time_budget is None else time_budget
+    # No lock wait of this flush outlasts its time budget (counters.waits).
+    with waits.session(using, waits.apply_limits(conf.lease_timeout(), budget)):
+        result = _flush_one(buffer, using, budget, retry_quarantined, discard_quarantined)
+    if result.failed_shards:
+        raise FlushFailed(result, result.failed_shards)
+    return result
+
+
+def _flush_one(
+    buffer: Buffer,
+    using: str,
+    time_budget: float,
+    retry_quarantined: bool,
+    discard_quarantined: bool,
+) -> FlushResult:
+    """The body of :func:`flush` for one database; returns the result, failed shards or not."""
+    from .flusher import flush as run_flush
+
     try:
         requeued, discarded = settle_quarantine(
             buffer, using, retry=retry_quarantined, discard=discard_quarantined
@@ -86,13 +103,12 @@ def flush(
         drain_outbox(buffer, using)
         layout.claim(buffer, using)
         started = timezone.now()  # after the claim: a complete run drains what it retired
-        budget = conf.flush_time_budget() if time_budget is None else time_budget
-        deadline = time.monotonic() + budget
+        deadline = time.monotonic() + time_budget
         result = run_flush(
             buffer,
             using=using,
             batch_size=conf.batch_size(),
-            time_budget=budget,
+            time_budget=time_budget,
             lease_timeout=conf.lease_timeout(),
             retention=conf.ledger_retention(),
         )
@@ -120,8 +136,6 @@ def flush(
         record_flush(buffer, result)
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_url(), exc) from exc
-    if result.failed_shards:
-        raise FlushFailed(result, result.failed_shards)
     return result
 
 

@@ -143,10 +143,23 @@ def _drifts(spec: CounterSpec, page: list[Any], using: str) -> tuple[dict[Any, D
     return drifts, moved
 
 
+def sender_floor() -> float:
+    """Least seconds between two readings of a suspect key with the per-process sender on.
+
+    A commit may wait ``COUNTERS_SEND_DELAY_MS`` in a process's queue, then a
+    socket timeout in its push before it falls back to the DB: readings closer
+    than that could all miss it and "repair" a difference that is on its way.
+    0 without the sender. Every process must share the setting.
+    """
+    delay = conf.send_delay()
+    return delay + conf.socket_timeout() + 0.2 if delay > 0 else 0.0
+
+
 def default_confirm_delay() -> float:
     """Seconds between two readings of a suspect key: longer than a commit takes to
-    reach Redis, or to fall back to the DB after the Redis socket timeout."""
-    return 2 * conf.socket_timeout() + 0.2
+    reach Redis, or to fall back to the DB after the Redis socket timeout, and never
+    shorter than :func:`sender_floor`."""
+    return max(2 * conf.socket_timeout() + 0.2, sender_floor())
 
 
 def confirm_drifts(

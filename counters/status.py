@@ -14,11 +14,12 @@ from . import layout, quarantine, sender
 from .audit import audit_status
 from .buffer import Buffer
 from .epoch import REBUILD_COMMAND
-from .fanout import last_run
+from .fanout import FLUSHED_AT, last_run, run_key
 from .models import BufferEpoch, FlushBatch
 from .outbox import summary as outbox_summary
 from .repair import queue_key
 from .utils import to_str
+from .waits import blocked_flushes
 
 
 def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
@@ -80,6 +81,27 @@ def last_flush(buffer: Buffer) -> dict[str, Any] | None:
         return None
     newest["age_seconds"] = round(time.time() - newest.pop("at"), 3)
     return newest
+
+
+def flush_clock(buffer: Buffer) -> tuple[float, int] | None:
+    """(Unix time, failed shards) of the newest flush of shards, for ``/metrics``.
+
+    The same whether one process flushes or N tasks do: a whole flush (cron,
+    ``counters.flush()``) or a part of a parallel run, whichever recorded its
+    result last. A dispatch alone flushes no shard and does not count. The
+    failed shards of a parallel run are those of its parts reported so far.
+    None if no flush was ever recorded.
+    """
+    at, failed = buffer.client.hmget(f"{buffer.prefix}:last_flush", ["at", "failed_shards"])
+    whole = None
+    if at is not None:
+        whole = (float(json.loads(to_str(at))), len(json.loads(to_str(failed) or "{}")))
+    flushed_at = buffer.client.hget(run_key(buffer), FLUSHED_AT)
+    part = None
+    if flushed_at is not None:
+        run = last_run(buffer)
+        part = (float(to_str(flushed_at)), len(run["failed_shards"]) if run else 0)
+    return max((c for c in (whole, part) if c is not None), key=lambda c: c[0], default=None)
 
 
 def ledger_status(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
@@ -169,6 +191,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
         "audit": audit_status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe(),
+        "blocked_flushes": blocked_flushes(using),
     }
 
 
@@ -191,4 +214,5 @@ def gather_without_redis(
         "audit": audit_status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe(),
+        "blocked_flushes": blocked_flushes(using),
     }

@@ -10,7 +10,9 @@ with the environment of :func:`tests.procs.project_env` and a long
 - ``fork``: the parent queues the changes, then forks a child that exits
   normally; only the parent may push them;
 - ``sigkill``: the process kills itself with the deltas queued (they are lost
-  until the audit repairs them).
+  until the audit repairs them);
+- ``linger``: the process stays alive for ``--linger`` seconds, so its sender's
+  thread pushes the queue once the delay is over, then exits.
 
 It prints ``queued <n>`` once the changes are committed.
 """
@@ -22,6 +24,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -43,7 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--user", type=int, required=True)
     parser.add_argument("--notifications", type=int, default=1)
-    parser.add_argument("--end", choices=["exit", "multiprocessing", "fork", "sigkill"])
+    parser.add_argument("--end", choices=["exit", "multiprocessing", "fork", "sigkill", "linger"])
+    parser.add_argument("--linger", type=float, default=0.0)
     args = parser.parse_args()
     if args.end == "multiprocessing":
         child = multiprocessing.get_context("fork").Process(
@@ -60,6 +64,8 @@ def main() -> None:
         os.waitpid(pid, 0)
     elif args.end == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif args.end == "linger":
+        time.sleep(args.linger)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from counters import conf
@@ -34,17 +34,37 @@ def describe(exc: BaseException) -> str:
         text = line
     elif isinstance(exc, DatabaseError):
         text = f"database error: {line}"
-    elif isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
-        text = first_line(BufferUnavailable(conf.redis_url(), exc))
     elif isinstance(exc, RedisError):
-        text = f"Redis error: {line}"
+        text = first_line(BufferUnavailable(conf.redis_url(), exc))
     else:
         text = f"{type(exc).__name__}: {line}"
     return text[:LINE_LIMIT]
 
 
 def redis_unreachable(exc: BaseException) -> bool:
-    return isinstance(exc, (BufferUnavailable, RedisConnectionError, RedisTimeoutError))
+    """Redis could not be reached at all (not: it answered with an error reply)."""
+    if isinstance(exc, BufferUnavailable):
+        return not exc.reachable
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError))
+
+
+def redis_state(exc: BaseException) -> str | None:
+    """``"unreachable"``, ``"error reply"`` or None: Redis's part in failure ``exc``."""
+    cause = exc.cause if isinstance(exc, BufferUnavailable) else exc
+    if redis_unreachable(exc):
+        return "unreachable"
+    if isinstance(cause, ResponseError):
+        return "error reply"
+    return None
+
+
+def failure_data(exc: BaseException) -> dict[str, Any]:
+    """The JSON object a command prints with ``--json`` when it fails: ``error``, ``redis``."""
+    data: dict[str, Any] = {"error": describe(exc)}
+    state = redis_state(exc)
+    if state is not None:
+        data["redis"] = state
+    return data
 
 
 def failure(command: str, exc: BaseException) -> CommandError:

@@ -31,7 +31,7 @@ from counters.client import databases
 from counters.exceptions import UnknownCounter
 from counters.rebuild import NoTruthSource
 
-from ._failures import OneLineFailures, describe, failure, redis_unreachable
+from ._failures import OneLineFailures, failure, failure_data
 
 
 class Command(OneLineFailures):
@@ -76,10 +76,7 @@ class Command(OneLineFailures):
                 results[name] = audit(name, names=names, slice_size=size)
         except Exception as exc:
             if options["json"]:
-                data = {"error": describe(exc)}
-                if redis_unreachable(exc):
-                    data["redis"] = "unreachable"
-                self.stdout.write(json.dumps(data))
+                self.stdout.write(json.dumps(failure_data(exc)))
             raise failure("counters_audit", exc) from exc
         self.report(results, options["json"])
 

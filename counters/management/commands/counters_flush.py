@@ -6,7 +6,8 @@ Exit status:
   database), or the result as JSON.
 - 1: failed (Redis or the database cannot be reached, a shard failed, a bad
   argument); one readable line on stderr, and with ``--json`` an object
-  with ``"error"`` on stdout (``"redis": "unreachable"`` when Redis is down).
+  with ``"error"`` on stdout (``"redis": "unreachable"`` when Redis is down,
+  ``"error reply"`` when it answered with an error such as ``WRONGTYPE``).
 - 4 (``REBUILD_NEEDED``): Redis lost buffered deltas and no full rebuild has
   completed since; the summary (or JSON) still goes to stdout, and one line
   naming the fix to stderr.
@@ -36,7 +37,7 @@ from counters import api
 from counters.epoch import REBUILD_COMMAND
 from counters.exceptions import FlushFailed
 
-from ._failures import OneLineFailures, describe, failure, redis_unreachable
+from ._failures import OneLineFailures, failure, failure_data
 
 FAILED = 1
 REBUILD_NEEDED = 4
@@ -128,9 +129,7 @@ class Command(OneLineFailures):
     @staticmethod
     def failure_data(exc: Exception) -> dict:
         """The JSON printed for a failure: the error, and what is known of the flush."""
-        data: dict = {"error": describe(exc)}
-        if redis_unreachable(exc):
-            data["redis"] = "unreachable"
+        data: dict = failure_data(exc)
         if isinstance(exc, FlushFailed) and hasattr(exc.result, "as_dict"):
             data = {**exc.result.as_dict(), **data}
         return data

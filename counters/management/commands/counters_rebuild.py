@@ -13,7 +13,8 @@ Prints one JSON line per wrong counter (``counter``, ``key``, ``stored``,
 ``pending``, ``truth``) and one summary line per counter, or with ``--json``
 one object. Progress goes to stderr. Exit status: 0 when nothing was wrong or
 everything was repaired, 3 when ``--dry-run`` found drift, 1 on errors (one
-readable line).
+readable line on stderr; with ``--json`` also an object with ``error``, and
+``redis``: ``unreachable`` or ``error reply`` when Redis failed, on stdout).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from redis import RedisError
 from counters import api, conf, epoch
 from counters.exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
 from counters.fence import Fence
-from counters.management.commands._failures import OneLineFailures, failure
+from counters.management.commands._failures import OneLineFailures, failure, failure_data
 from counters.rebuild import RebuildReport, rebuild, wait_for_audit
 from counters.registry import all_specs, get_spec
 
@@ -103,6 +104,23 @@ class Command(OneLineFailures):
         return names
 
     def handle(self, *args: Any, **options: Any) -> None:
+        """Run the rebuild; with ``--json`` a failure still prints one object with ``error``."""
+        try:
+            self.run(options)
+        except Exception as exc:
+            if options["json"]:
+                self.stdout.write(json.dumps(self.failure_data(exc)))
+            raise
+
+    @staticmethod
+    def failure_data(exc: Exception) -> dict[str, Any]:
+        """``error`` (the line printed on stderr too) and ``redis`` when Redis failed."""
+        cause = exc.__cause__ if isinstance(exc, CommandError) and exc.__cause__ else exc
+        data = failure_data(cause)
+        data["error"] = str(exc) if isinstance(exc, CommandError) else data["error"]
+        return data
+
+    def run(self, options: dict[str, Any]) -> None:
         if options["batch_size"] < 1:
             raise CommandError("--batch-size must be at least 1")
         using = options["database"]

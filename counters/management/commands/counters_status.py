@@ -2,9 +2,10 @@
 failed shards and quarantined deltas.
 
 Exit status: 0 with the status; 2 (``REDIS_UNREACHABLE``) when Redis cannot be
-reached: what the DB tells (ledger, direct writes, epochs, rebuild needed) is
-still printed, with a line saying Redis is down; 1 with one readable line when
-the database fails.
+reached or answers with an error reply (``WRONGTYPE`` ...; the line says
+which): what the DB tells (ledger, direct writes, epochs, rebuild needed) is
+still printed; 1 with one readable line when the database fails, and with
+``--json`` an object with ``"error"`` on stdout all the same.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from __future__ import annotations
 import json
 import sys
 
-from django.db import DEFAULT_DB_ALIAS
+from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from redis import RedisError
 
 from counters import api, conf
+from counters.exceptions import BufferUnavailable
 from counters.status import gather, gather_without_redis
 from counters.utils import first_line
 
-from ._failures import OneLineFailures, failure
+from ._failures import OneLineFailures, failure, failure_data
 
 REDIS_UNREACHABLE = 2
 
@@ -45,9 +47,14 @@ class Command(OneLineFailures):
             try:
                 status = gather(buffer, using)
             except RedisError as exc:
-                error = f"Redis unreachable at {conf.redis_url()}: {first_line(exc)}"
+                error = first_line(BufferUnavailable(conf.redis_url(), exc))
                 status = gather_without_redis(buffer, error[:500], using)
         except Exception as exc:
+            if options["json"]:  # JSON always: the error, and which side failed
+                data = {"prefix": buffer.prefix, **failure_data(exc)}
+                if isinstance(exc, DatabaseError):
+                    data["database"] = {"alias": using, "reachable": False}
+                self.stdout.write(json.dumps(data, indent=2))
             raise failure("counters_status", exc) from exc
         if options["json"]:
             self.stdout.write(json.dumps(status, indent=2))
@@ -92,6 +99,7 @@ class Command(OneLineFailures):
                 (last.get("failed_shards") or {}).items(), key=lambda item: int(item[0])
             ):
                 lines.append(f"FAILED shard {shard} in the last flush: {error}")
+        lines += self.blocked_lines(status["blocked_flushes"])
         lines += self.quarantine_lines(status["quarantine"])
         lines.append(self.ledger_line(status["ledger"]))
         lines += self.audit_lines(status["audit"])
@@ -113,7 +121,8 @@ class Command(OneLineFailures):
     def render_without_redis(self, status: dict) -> str:
         epoch = status["epoch"]
         lines = [
-            f"prefix {status['prefix']!r}: REDIS DOWN ({status['redis']['error']}); "
+            f"prefix {status['prefix']!r}: {self.redis_label(status['redis']['error'])} "
+            f"({status['redis']['error']}); "
             "showing what the database tells. Writes go to the DB directly meanwhile.",
             f"epoch: {epoch['state']} (losses {epoch['losses']}, "
             f"last {_fmt(epoch['last_loss_at'])})",
@@ -121,11 +130,17 @@ class Command(OneLineFailures):
         ]
         lines += self.layout_lines(status["layouts"])
         lines += self.rebuild_lines(epoch)
+        lines += self.blocked_lines(status["blocked_flushes"])
         lines.append(self.ledger_line(status["ledger"]))
         lines.append(f"unsettled direct writes: {status['ledger']['unsettled_fallbacks']}")
         lines += self.audit_lines(status["audit"])
         lines.append(self.outbox_line(status["outbox"]))
         return "\n".join(lines)
+
+    @staticmethod
+    def redis_label(error: str) -> str:
+        """REDIS DOWN when it cannot be reached; REDIS ERROR REPLY when it answered with one."""
+        return "REDIS ERROR REPLY" if "answered with an error reply" in error else "REDIS DOWN"
 
     @staticmethod
     def outbox_line(outbox: dict) -> str:
@@ -197,6 +212,26 @@ class Command(OneLineFailures):
             f" fallback DB writes {ledger['fallback_writes']}"
             f" (last {_fmt(ledger['last_fallback_at'])}); dropped keys {ledger['dropped_keys']}"
         )
+
+    @staticmethod
+    def blocked_lines(blocked: list[dict]) -> list[str]:
+        """A flush waiting on a lock, and the session that holds it (PostgreSQL)."""
+        lines = []
+        for wait in blocked:
+            by = wait["blocked_by"]
+            lines.append(
+                f"BLOCKED FLUSH: pid {wait['pid']} ({wait['application'] or '-'}) has waited "
+                f"{wait['waiting_seconds']:.1f}s for a lock held by pid {by['pid']} "
+                f"({by['application'] or '-'}, {by['state'] or '-'}, client "
+                f"{by['client'] or 'local'}, in its transaction for "
+                f"{by['transaction_seconds']:.1f}s): {by['query'][:100]}"
+            )
+        if lines:
+            lines.append(
+                "  a frozen flusher's session ends after its idle-in-transaction timeout; "
+                "or end it: SELECT pg_terminate_backend(<pid>)"
+            )
+        return lines
 
     @staticmethod
     def quarantine_lines(quarantine: dict) -> list[str]:
