@@ -23,6 +23,7 @@ from django.db import (
     InterfaceError,
     InternalError,
     OperationalError,
+    ProgrammingError,
     connections,
     models,
     transaction,
@@ -40,7 +41,8 @@ CHUNK = 5000
 
 #: Errors of the database rather than of the deltas applied: applying them again later may work.
 DATABASE_ERRORS: tuple[type[Exception], ...] = (
-    OperationalError,  # connection lost, deadlock, lock or statement timeout
+    OperationalError,  # connection lost, deadlock, lock or statement timeout, no such table
+    ProgrammingError,  # a counter table or column renamed or missing (a migration under way)
     InterfaceError,  # connection closed
     InternalError,  # read-only transaction (a failover to a replica), aborted transaction
     TransactionManagementError,

@@ -39,20 +39,15 @@ from datetime import timedelta
 from django.db import (
     DEFAULT_DB_ALIAS,
     IntegrityError,
-    InterfaceError,
-    InternalError,
-    OperationalError,
-    ProgrammingError,
     connections,
 )
 from django.db.models.sql import InsertQuery
-from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import waits
-from .apply import apply_deltas
+from .apply import DATABASE_ERRORS, apply_deltas
 from .buffer import Batch, Buffer
 from .epoch import check_epoch, record_applied, record_loss
 from .lease import Lease
@@ -150,13 +145,7 @@ def error_line(exc: BaseException) -> str:
 
 #: Errors of the database rather than of a batch's deltas: the batch stays in flight as
 #: it is and the shard fails this run (the next flush tries again).
-SYSTEMIC: tuple[type[Exception], ...] = (
-    OperationalError,  # connection lost, deadlock, lock or statement timeout, no such table
-    ProgrammingError,  # a counter table or column renamed or missing (a migration under way)
-    InterfaceError,  # connection closed
-    InternalError,  # read-only transaction (a failover to a replica), aborted transaction
-    TransactionManagementError,
-)
+SYSTEMIC = DATABASE_ERRORS
 
 
 class BatchLost(Exception):
