@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connection
+
 import counters
 from notifications.models import Notification, UnreadCounter
 
@@ -34,3 +40,32 @@ def in_redis(user) -> int:
     member = f"unread:{user.pk}"
     snap = get_buffer().snapshot([member])
     return snap.pending[member] + snap.inflight[member]
+
+
+def race(count: int, target: Callable[[int, threading.Barrier], Any], timeout: float = 120) -> list:
+    """Run ``target(i, barrier)`` for i in 0..count-1, each in a thread with its own connection.
+
+    ``barrier`` (of ``count`` parties) lets the threads start each step at the same
+    instant; it is aborted when a thread fails, so the others stop waiting. Returns the
+    results in order; asserts that no thread raised.
+    """
+    barrier = threading.Barrier(count)
+    results: list = [None] * count
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = target(i, barrier)
+        except BaseException as exc:  # pragma: no cover - reported by the assertion
+            errors.append(exc)
+            barrier.abort()
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert [repr(e) for e in errors] == []
+    return results

@@ -19,7 +19,7 @@ from django.db import IntegrityError, connection, transaction
 
 from counters import counting
 from notifications.models import Notification
-from tests.helpers import assert_exact, truth
+from tests.helpers import assert_exact, race, truth
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -98,28 +98,15 @@ def create(pk: int, user: Any, is_read: bool) -> None:
 def test_upserts_racing_creates_of_the_same_pks(make_user):
     """4 threads, every id written by each of them at the same instant: creates and upserts."""
     users = [make_user("alice"), make_user("bob")]
-    barrier = threading.Barrier(THREADS)
-    errors: list[BaseException] = []
 
-    def run(i: int) -> None:
+    def run(i: int, barrier: threading.Barrier) -> None:
         rng = random.Random(i)
-        try:
-            for pk in range(FIRST_ID, FIRST_ID + IDS):
-                write = create if (pk + i) % THREADS == 0 else upsert
-                barrier.wait(timeout=30)
-                write(pk, rng.choice(users), rng.random() < 0.3)
-                write(pk, rng.choice(users), rng.random() < 0.3)
-        except BaseException as exc:  # pragma: no cover - reported by the assertion
-            errors.append(exc)
-            barrier.abort()
-        finally:
-            connection.close()
+        for pk in range(FIRST_ID, FIRST_ID + IDS):
+            write = create if (pk + i) % THREADS == 0 else upsert
+            barrier.wait(timeout=30)
+            write(pk, rng.choice(users), rng.random() < 0.3)
+            write(pk, rng.choice(users), rng.random() < 0.3)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert errors == []
+    race(THREADS, run, timeout=300)
     assert Notification.objects.count() == IDS
     assert_exact(*users)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection
 
 from tests.blog.models import RouteBase, RouteChild, RouteOwner
 from tests.blog.routes import assert_routes_exact, track_routes
+from tests.helpers import race
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -56,58 +56,34 @@ def write(i: int, round_: int, pk: int, owners: list[RouteOwner]) -> None:
 def test_racing_parent_and_child_routes_neither_deadlock_nor_miscount():
     owners = [RouteOwner.objects.create(name=str(i)) for i in range(3)]
     pk = RouteChild.objects.create(owner=owners[0], flag=True).pk
-    barrier = threading.Barrier(THREADS)
-    errors: list[BaseException] = []
 
-    def run(i: int) -> None:
-        try:
-            barrier.wait(timeout=10)
-            for round_ in range(ROUNDS):
-                write(i, round_, pk, owners)
-        except Exception as exc:  # pragma: no cover - reported by the assertion
-            errors.append(exc)
-        finally:
-            connection.close()
+    def run(i: int, barrier: threading.Barrier) -> None:
+        barrier.wait(timeout=10)
+        for round_ in range(ROUNDS):
+            write(i, round_, pk, owners)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert [repr(e) for e in errors] == []
+    race(THREADS, run)
     assert_routes_exact()
 
 
 def test_racing_deletes_and_updates_of_multi_table_rows_neither_deadlock_nor_miscount():
     owner = RouteOwner.objects.create(name="o")
     pks = [RouteChild.objects.create(owner=owner, flag=True).pk for _ in range(24)]
-    barrier = threading.Barrier(THREADS)
-    errors: list[BaseException] = []
 
-    def run(i: int) -> None:
-        try:
-            barrier.wait(timeout=10)
-            for n, pk in enumerate(pks if i % 2 else reversed(pks)):
-                route = (i + n) % 4
-                if route == 0:
-                    RouteBase.objects.filter(pk=pk).update(flag=n % 2 == 0)
-                elif route == 1:
-                    RouteChild.objects.filter(pk=pk).update(flag=n % 2 == 1)
-                elif route == 2:
-                    child = RouteChild.objects.filter(pk=pk).first()
-                    if child is not None:
-                        child.delete()
-                else:
-                    RouteBase.objects.filter(pk=pk).delete()
-        except Exception as exc:  # pragma: no cover - reported by the assertion
-            errors.append(exc)
-        finally:
-            connection.close()
+    def run(i: int, barrier: threading.Barrier) -> None:
+        barrier.wait(timeout=10)
+        for n, pk in enumerate(pks if i % 2 else reversed(pks)):
+            route = (i + n) % 4
+            if route == 0:
+                RouteBase.objects.filter(pk=pk).update(flag=n % 2 == 0)
+            elif route == 1:
+                RouteChild.objects.filter(pk=pk).update(flag=n % 2 == 1)
+            elif route == 2:
+                child = RouteChild.objects.filter(pk=pk).first()
+                if child is not None:
+                    child.delete()
+            else:
+                RouteBase.objects.filter(pk=pk).delete()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert [repr(e) for e in errors] == []
+    race(THREADS, run)
     assert_routes_exact()

@@ -6,9 +6,9 @@ import itertools
 import threading
 
 import pytest
-from django.db import connection
 from django.db.models import F
 
+from tests import helpers
 from tests.blog.models import Comment, Post
 from tests.blog.truth import assert_exact
 
@@ -25,25 +25,12 @@ THREADS = 16
 
 def race(target):
     """Run ``target(i)`` for i in 0..THREADS-1 in threads released at the same instant."""
-    barrier = threading.Barrier(THREADS)
-    results, errors = [None] * THREADS, []
 
-    def run(i):
-        try:
-            barrier.wait(timeout=10)
-            results[i] = target(i)
-        except Exception as exc:  # pragma: no cover - reported by the assertion
-            errors.append(exc)
-        finally:
-            connection.close()
+    def run(i, barrier):
+        barrier.wait(timeout=10)
+        return target(i)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert errors == []
-    return results
+    return helpers.race(THREADS, run, timeout=60)
 
 
 @pytest.fixture
