@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from django.db import connection  # noqa: F401 (read by the skipif condition)
 
 from tests.blog.models import RouteBase, RouteChild, RouteOwner
 from tests.blog.routes import assert_routes_exact, track_routes

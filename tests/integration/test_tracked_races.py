@@ -6,6 +6,7 @@ import itertools
 import threading
 
 import pytest
+from django.db import connection  # noqa: F401 (read by the skipif condition)
 from django.db.models import F
 
 from tests import helpers
