@@ -96,6 +96,7 @@ lint: install-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 flush: install
 	$(BIN)/python manage.py notification_update_counter

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import counters
+
 
 def child_exit(server: Any, worker: Any) -> None:
     """A worker ended (restarted, killed, shut down): drop its live Prometheus gauges.
@@ -24,6 +26,4 @@ def child_exit(server: Any, worker: Any) -> None:
 
 def worker_exit(server: Any, worker: Any) -> None:
     """A worker is exiting: push the deltas its counters sender still holds."""
-    from counters import sender
-
-    sender.drain()
+    counters.drain_queues()

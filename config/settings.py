@@ -4,7 +4,7 @@ Twelve-factor: everything that differs between machines comes from the
 environment. With no environment at all the project runs on an SQLite file in
 ``var/`` and the Redis server at ``redis://127.0.0.1:6379/0``.
 
-``COUNTERS_*`` settings are not set here on purpose: ``counters.conf`` reads an
+``COUNTERS_*`` settings are not set here on purpose: ``counters.base.conf`` reads an
 environment variable of the same name when a setting is absent, so
 ``COUNTERS_BATCH_SIZE=500 make run`` just works.
 """

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import AuditCursor, AuditRepair, FlushBatch
+from counters.models import AuditCursor, AuditRepair, FlushBatch
 
 
 @admin.register(FlushBatch)

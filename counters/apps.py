@@ -7,7 +7,7 @@ class CountersConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from . import checks  # noqa: F401  (registers system checks)
-        from .signals import connect_signals
+        from counters import checks  # noqa: F401  (registers system checks)
+        from counters.signals import connect_signals  # (needs the app registry: models)
 
         connect_signals(self)

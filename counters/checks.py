@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from redis import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import conf
+from counters.base import conf
+from counters.base.metrics import MULTIPROC_ENV, multiprocess_dir
+from counters.buffer.cluster import node_urls
+from counters.client import get_client
+from counters.tracking.queryset import CountedQuerySet
+from counters.tracking.refusals import other_managers, problems, refused_models, uncounted_manager
+from counters.tracking.trackers import all_trackers, tracked_models
+from counters.verify.drift import CONFIRM_READINGS
+from counters.write.outbox import OUTBOX_SAFE_AGE
 
 POSITIVE = {
     "COUNTERS_SHARDS": "counters.E001",
@@ -64,8 +76,6 @@ def check_settings(app_configs=None, **kwargs):
 
 def check_redis_url() -> list[Error]:
     """E009: a redis URL; with COUNTERS_REDIS_CLUSTER, one or several cluster node URLs."""
-    from .cluster import node_urls
-
     url = conf.redis_url()
     try:
         cluster = conf.redis_cluster()
@@ -108,8 +118,6 @@ def check_audit_interval() -> list[CheckMessage]:
 
 def check_durable() -> list[CheckMessage]:
     """E023: COUNTERS_DURABLE a boolean; E024/E025: COUNTERS_OUTBOX_GRACE in range."""
-    from .outbox import OUTBOX_SAFE_AGE
-
     errors: list[CheckMessage] = []
     raw = conf.raw("COUNTERS_DURABLE")
     if not isinstance(raw, bool) and not (
@@ -180,8 +188,6 @@ def check_audit_window() -> list[CheckMessage]:
     contradicts the sender's delay (the audit stretches its readings to it,
     but every process must share the setting).
     """
-    from .rebuild import CONFIRM_READINGS
-
     try:
         delay = conf.send_delay()
         timeout = float(conf.socket_timeout())
@@ -208,10 +214,6 @@ def check_audit_window() -> list[CheckMessage]:
 
 @register("counters", deploy=True)
 def check_redis_reachable(app_configs=None, **kwargs):
-    from redis import RedisError
-
-    from .client import get_client
-
     try:
         get_client().ping()
     except RedisError as exc:
@@ -256,12 +258,6 @@ def check_redis_eviction(app_configs=None, **kwargs):
 
     Redis unreachable is W001's (``check_redis_reachable``): nothing here.
     """
-    from redis import RedisError
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    from .client import get_client
-
     try:
         policies = _eviction_policies(get_client())
     except (RedisConnectionError, RedisTimeoutError):
@@ -306,10 +302,6 @@ def check_trackers(app_configs=None, **kwargs):
     Each declaration is checked again as ``track()`` checks it (E050 to E054): a
     counter registered into its column since, or a model changed since.
     """
-    from .declarations import problems
-    from .queryset import CountedQuerySet
-    from .tracking import all_trackers, uncounted_manager
-
     messages: list[CheckMessage] = []
     for tracker in all_trackers():
         for check_id, refused in problems(tracker):
@@ -340,10 +332,6 @@ def check_trackers(app_configs=None, **kwargs):
 @register(Tags.compatibility)
 def check_metrics_dir(app_configs=None, **kwargs):
     """``PROMETHEUS_MULTIPROC_DIR``, when set, must be a writable directory (E018)."""
-    import os
-
-    from .metrics import MULTIPROC_ENV, multiprocess_dir
-
     path = multiprocess_dir()
     if path is None or (os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)):
         return []
@@ -360,10 +348,7 @@ def check_metrics_dir(app_configs=None, **kwargs):
 @register("counters")
 def check_routes(app_configs=None, **kwargs):
     """E045/E046: a model sharing a tracked model's rows has an uncounted route; W002: another
-    manager of a proxy or multi-table relative is not counted (see counters.routes)."""
-    from .routes import other_managers, refused_models
-    from .tracking import tracked_models
-
+    manager of a proxy or multi-table relative is not counted (see counters.tracking.routes)."""
     messages: list[CheckMessage] = [
         Error(f"{model._meta.label}: {problem}", obj=model, id=check_id)
         for model, check_id, problem in refused_models()

@@ -12,10 +12,15 @@ from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from . import conf
-from .buffer import Buffer
-from .cluster import ClusterClient
-from .connections import TcpConnection, TlsConnection, UnixConnection, connection_class
+from counters.base import conf
+from counters.buffer.cluster import ClusterClient
+from counters.buffer.connections import (
+    TcpConnection,
+    TlsConnection,
+    UnixConnection,
+    connection_class,
+)
+from counters.buffer.store import Buffer
 
 _lock = threading.Lock()
 _clients: dict[tuple[str, float, bool], Redis | ClusterClient] = {}
@@ -29,7 +34,7 @@ __all__ = [
     "UnixConnection",
     "buffer_prefix",
     "connection_class",
-    "databases",
+    "flushed_databases",
     "get_buffer",
     "get_client",
 ]
@@ -42,7 +47,7 @@ def get_client(
 
     With ``cluster`` (default: ``COUNTERS_REDIS_CLUSTER``) the URL names nodes
     of a Redis Cluster, one or several comma-separated, and the client is a
-    :class:`~counters.cluster.ClusterClient`.
+    :class:`~counters.buffer.cluster.ClusterClient`.
 
     redis-py's own retries are off: every caller here decides itself whether a
     repeat is safe, and the write path must fall back quickly when Redis is down.
@@ -102,12 +107,12 @@ def buffer_prefix(using: str = DEFAULT_DB_ALIAS) -> str:
     return prefix if using == DEFAULT_DB_ALIAS else f"{prefix}.{using}"
 
 
-def databases() -> list[str]:
+def flushed_databases() -> list[str]:
     """Aliases that a flush without an alias drains (``COUNTERS_DATABASES``).
 
     Default: every database the routers let the counters app migrate to.
     """
-    configured = conf.databases()
+    configured = conf.configured_databases()
     if configured is not None:
         return configured
     return [alias for alias in connections if router.allow_migrate(alias, "counters")]

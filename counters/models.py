@@ -1,8 +1,6 @@
 from django.db import models
 from django.utils import timezone
 
-from .layout import describe
-
 #: Batch id prefix of direct writes (``fallback-<push id>``).
 FALLBACK_PREFIX = "fallback-"
 
@@ -92,11 +90,16 @@ class BufferEpoch(models.Model):
         return f"{self.prefix} shard {self.shard}: {self.token}"
 
 
+def describe_layout(prefix: str, shards: int, cluster: bool) -> str:
+    """``prefix 'counters', 16 shards, Redis Cluster``: a buffer layout in messages."""
+    return f"prefix {prefix!r}, {shards} shards{', Redis Cluster' if cluster else ''}"
+
+
 class BufferLayout(models.Model):
     """A buffer layout that has written deltas: key prefix, shard count, Redis Cluster or not.
 
     Recorded by each process before its first push under the layout
-    (:func:`counters.layout.ensure_registered`), so the DB knows every layout
+    (:func:`counters.write.preflight.ensure_recorded`), so the DB knows every layout
     whose shards may hold deltas. A flush under another layout retires it
     (``retired_at``); it is drained once a complete flush that started after
     that found nothing of it left in Redis (``drained_at``). Until then reads
@@ -129,7 +132,7 @@ class BufferLayout(models.Model):
         verbose_name = "buffer layout"
 
     def __str__(self) -> str:
-        return describe(self.prefix, self.shards, self.cluster)
+        return describe_layout(self.prefix, self.shards, self.cluster)
 
 
 class AuditCursor(models.Model):
@@ -201,7 +204,7 @@ class Outbox(models.Model):
     once its push is acknowledged (or in the transaction of its direct write
     when Redis fails). A row older than ``COUNTERS_OUTBOX_GRACE`` belongs to a
     writer that died or could not finish: the flush pushes it with the same
-    push id, so Redis counts it once (see :mod:`counters.outbox`).
+    push id, so Redis counts it once (see :mod:`counters.write.outbox`).
     """
 
     push_id = models.CharField(max_length=64, primary_key=True)
@@ -252,7 +255,7 @@ class RepairFence(models.Model):
     Every repairer (an audit run, a rebuild, a retry or discard of the
     quarantine) takes the next token when it takes the rebuild lease, and
     each of its repairs runs in a transaction that first locks this row and
-    checks that ``token`` is still its own (:mod:`counters.fence`). A repairer
+    checks that ``token`` is still its own (:mod:`counters.flushing.fence`). A repairer
     that stalled past its lease while another took a newer token changes
     nothing: the Redis lease says who should act, this row decides who can.
     """

@@ -5,8 +5,8 @@
 itself. With N > 1 it dispatches: per database it settles the direct writes,
 sends N ``counters.flush_shards`` tasks that flush disjoint shard sets on
 whichever workers take them, then repairs queued keys and runs the automatic
-rebuild (see :mod:`counters.fanout`). ``counters.audit`` is the periodic audit (see
-:mod:`counters.audit`).
+rebuild (see :mod:`counters.ops.fanout`). ``counters.audit`` is the periodic audit (see
+:mod:`counters.verify.audit`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ import random
 from celery import shared_task
 from django.db import DatabaseError
 
-from . import conf
-from .client import databases
-from .epoch import REBUILD_COMMAND
-from .exceptions import BufferUnavailable, CountersError
-from .fanout import FlushRun, finish_run, flush_part, start_run
-from .flusher import FlushResult
-from .flushing import flush_databases
-from .utils import first_line
+from counters.base import conf
+from counters.base.exceptions import BufferUnavailable, CountersError
+from counters.base.utils import first_line
+from counters.client import flushed_databases
+from counters.flushing.epoch import REBUILD_COMMAND
+from counters.flushing.result import FlushResult
+from counters.ops.fanout import FlushRun, finish_run, flush_part, start_run
+from counters.ops.run import flush_databases
+from counters.verify.audit import audit_databases
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def did_work(result: FlushResult) -> bool:
 
 @shared_task(name=TASK_NAME, ignore_result=True)
 def flush_counters() -> None:
-    """Periodic flush (django-celery-beat) of every database of ``counters.client.databases()``.
+    """Periodic flush (django-celery-beat) of every database of :func:`flushed_databases`.
 
     With ``COUNTERS_FLUSH_PARALLELISM`` > 1, sends that many
     ``counters.flush_shards`` tasks per database instead (:func:`dispatch`).
@@ -119,7 +120,7 @@ def dispatch(parallelism: int) -> list[FlushRun]:
     """
     runs: list[FlushRun] = []
     error: Exception | None = None
-    aliases = databases()
+    aliases = flushed_databases()
     expires = conf.flush_interval()  # like the beat entry: a part not started by then is dropped
     for alias in aliases:
         try:
@@ -130,21 +131,7 @@ def dispatch(parallelism: int) -> list[FlushRun]:
             logger.error("flush run of database %r failed: %s", alias, first_line(exc, 300))
             error = error or exc
             continue
-        # From a random part on: when fewer workers than parts are free and parts expire,
-        # it is not always the same shards that wait for the next run.
-        first = random.randrange(len(run.parts))
-        for index in [*range(first, len(run.parts)), *range(first)]:
-            shards = run.parts[index]
-            flush_shards.apply_async(
-                kwargs={
-                    "using": alias,
-                    "shards": shards,
-                    "run": run.id,
-                    "index": index,
-                    "parts": len(run.parts),
-                },
-                expires=expires,
-            )
+        send_parts(run, expires)
         runs.append(run)
     for run in runs:
         try:
@@ -171,13 +158,33 @@ def dispatch(parallelism: int) -> list[FlushRun]:
     return runs
 
 
+def send_parts(run: FlushRun, expires: float) -> None:
+    """Send one ``counters.flush_shards`` task per part of ``run``, expiring after ``expires`` s.
+
+    From a random part on: when fewer workers than parts are free and parts
+    expire, it is not always the same shards that wait for the next run.
+    """
+    first = random.randrange(len(run.parts))
+    for index in [*range(first, len(run.parts)), *range(first)]:
+        flush_shards.apply_async(
+            kwargs={
+                "using": run.using,
+                "shards": run.parts[index],
+                "run": run.id,
+                "index": index,
+                "parts": len(run.parts),
+            },
+            expires=expires,
+        )
+
+
 @shared_task(name=PART_TASK_NAME, ignore_result=True)
 def flush_shards(using: str, shards: list[int], run: str, index: int = 0, parts: int = 1) -> None:
     """Flush ``shards`` of database ``using``: part ``index`` of ``parts`` of parallel run ``run``.
 
     Sent by :func:`dispatch`. Logs one line (INFO with work, DEBUG idle). A
     part whose shards failed records its result, then raises
-    :class:`~counters.exceptions.FlushFailed` (Celery logs it, like a failed
+    :class:`~counters.base.exceptions.FlushFailed` (Celery logs it, like a failed
     whole flush); their batches stay in flight for the next run.
     """
     result = flush_part(using=using, shards=shards, run=run, index=index, parts=parts)
@@ -213,8 +220,6 @@ def audit_counters() -> None:
     repaired something, at DEBUG otherwise. Redis being unreachable is one
     WARNING line: the audit needs the buffered deltas.
     """
-    from .audit import audit_databases
-
     if not conf.audit_interval():
         logger.debug("the periodic audit is off (COUNTERS_AUDIT_INTERVAL is 0)")
         return

@@ -2,7 +2,7 @@
 
 from django.urls import path
 
-from .exposition import metrics_view
+from counters.ops.exposition import metrics_view
 
 app_name = "counters"
 

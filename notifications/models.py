@@ -8,6 +8,7 @@ counts nothing, so racing requests never count twice.
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
 from django.conf import settings
@@ -15,12 +16,14 @@ from django.db import models, transaction
 from django.utils import timezone
 
 import counters
-from counters.utils import batched
 
 from .apps import UNREAD_COUNTER
 
 
-class NotificationQuerySet(counters.CountedQuerySet):
+# django-stubs gives each QuerySet class a generated as_manager(), in the order mypy analyses
+# the modules; it may reach this one before CountedQuerySet (which the front imports for type
+# checking only), and then sees an override. Nothing is overridden here.
+class NotificationQuerySet(counters.CountedQuerySet):  # type: ignore[override, unused-ignore]
     def unread(self) -> NotificationQuerySet:
         return self.filter(is_read=False)
 
@@ -44,9 +47,12 @@ class NotificationQuerySet(counters.CountedQuerySet):
         One transaction: the deltas of all batches add up, so each recipient
         gets one aggregated delta when it commits.
         """
+        if batch_size < 1:
+            raise ValueError("size must be at least 1")
         total = 0
+        remaining = iter(recipients)
         with transaction.atomic(using=self.db):
-            for chunk in batched(recipients, batch_size):
+            while chunk := list(islice(remaining, batch_size)):
                 objs = [self.model(recipient_id=getattr(r, "pk", r), **fields) for r in chunk]
                 self.bulk_create(objs, batch_size=batch_size)
                 total += len(objs)

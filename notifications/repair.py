@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from counters.rebuild import rebuild
-from counters.registry import get_spec
+import counters
 
 from .apps import UNREAD_COUNTER
 
@@ -17,7 +16,7 @@ CONFIRM_DELAY = 0.5
 def truth_counts(user_ids: Iterable[Any]) -> dict[Any, int]:
     """``COUNT(*)`` of unread notifications per user (0 for users with none)."""
     ids = list(user_ids)
-    source = get_spec(UNREAD_COUNTER).source
+    source = counters.get_spec(UNREAD_COUNTER).source
     assert source is not None, "the unread counter is tracked: it has a truth source"
     found = source.count_for(ids)
     return {pk: found.get(pk, 0) for pk in ids}
@@ -33,7 +32,7 @@ def repair_users(
     flushers can keep running.
     """
     ids = list(dict.fromkeys(user_ids))
-    report = rebuild(UNREAD_COUNTER, keys=ids, confirm_delay=confirm_delay)
+    report = counters.rebuild(UNREAD_COUNTER, keys=ids, confirm_delay=confirm_delay)
     wrong = {d.key: d for d in report.wrong}
     truth = truth_counts([pk for pk in ids if pk not in wrong])
     return [

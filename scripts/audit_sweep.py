@@ -16,6 +16,8 @@ The Redis buffer is a database and prefix of its own (``--redis-url``).
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import math
 import os
 import statistics
@@ -55,14 +57,12 @@ def main() -> int:
     from django.core.management import call_command
     from django.db import connection
 
-    from counters import conf
-    from counters.audit import audit
-    from counters.client import get_buffer
+    import counters
     from counters.models import AuditCursor
     from notifications.apps import UNREAD_COUNTER
 
     call_command("migrate", verbosity=0)
-    get_buffer().client.flushdb()
+    counters.get_buffer().client.flushdb()
     with connection.cursor() as cur:
         cur.execute("SELECT count(*) FROM auth_user")
         have = cur.fetchone()[0]
@@ -97,7 +97,10 @@ def main() -> int:
         cur.execute("SELECT min(id), max(id) FROM auth_user")
         low, high = cur.fetchone()
 
-    slice_size, interval = conf.audit_slice(), conf.audit_interval()
+    status = io.StringIO()
+    call_command("counters_status", "--json", stdout=status)  # the audit settings in effect
+    schedule = json.loads(status.getvalue())["audit"]
+    slice_size, interval = schedule["slice"], schedule["interval"]
     seconds: list[float] = []
     for i in range(args.runs):
         after = low + (high - low) * i // args.runs
@@ -105,7 +108,7 @@ def main() -> int:
             counter=UNREAD_COUNTER, defaults={"after": str(after), "checked": 0}
         )
         started = time.monotonic()
-        result = audit(names=[UNREAD_COUNTER])
+        result = counters.audit(names=[UNREAD_COUNTER])
         seconds.append(time.monotonic() - started)
         if result.checked != slice_size or result.repaired:
             print(f"run {i}: checked {result.checked}, repaired {result.repaired}", file=sys.stderr)

@@ -17,9 +17,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from counters import conf
-from counters.exceptions import BufferUnavailable, CountersError
-from counters.utils import first_line
+from counters.base import conf
+from counters.base.exceptions import BufferUnavailable, CountersError
+from counters.base.utils import first_line
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Without NAME, every counter that has a truth source. Each run checks the
 next ``--slice`` keys (default ``COUNTERS_AUDIT_SLICE``) of each counter
 after its cursor, compares stored + buffered with the truth, and repairs a
 difference seen the same on several readings in a row through the delta
-path; see :mod:`counters.audit`. Safe while writers and flushers run; it
+path; see :mod:`counters.verify.audit`. Safe while writers and flushers run; it
 does nothing when a rebuild or another audit of the same database runs.
 
 Prints one JSON line per repair (``counter``, ``key``, ``stored``,
@@ -26,12 +26,11 @@ from typing import Any
 from django.core.management.base import CommandError, CommandParser
 from django.db import connections
 
-from counters.audit import AuditResult, audit, audited_specs
-from counters.client import databases
-from counters.exceptions import UnknownCounter
-from counters.rebuild import NoTruthSource
-
-from ._failures import OneLineFailures, failure, failure_data
+from counters.base.exceptions import UnknownCounter
+from counters.client import flushed_databases
+from counters.management.commands._failures import OneLineFailures, failure, failure_data
+from counters.verify.audit import AuditResult, audit, audited_specs
+from counters.verify.drift import NoTruthSource
 
 
 class Command(OneLineFailures):
@@ -69,7 +68,7 @@ class Command(OneLineFailures):
             raise CommandError(str(exc)) from None
         except NoTruthSource as exc:
             raise CommandError(f"{exc}; it cannot be audited") from None
-        aliases = [alias] if alias is not None else databases()
+        aliases = [alias] if alias is not None else flushed_databases()
         results: dict[str, AuditResult] = {}
         try:
             for name in aliases:

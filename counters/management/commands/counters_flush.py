@@ -17,7 +17,7 @@ Exit status:
   per layout to stderr. Takes precedence over 4: no repair runs until then.
 
 ``--database`` flushes only that alias; without it, every alias of
-``counters.client.databases()``. ``--retry-quarantined`` first puts the deltas
+``counters.client.flushed_databases()``. ``--retry-quarantined`` first puts the deltas
 the quarantine holds back into the buffer (a delta that fails again is
 quarantined again); ``--discard-quarantined`` drops them for good. Both are
 fenced repairs: while a rebuild holds the rebuild lease they change nothing
@@ -32,12 +32,10 @@ import sys
 from django.core.management.base import CommandError
 from django.db import connections
 
-import counters
-from counters import api
-from counters.epoch import REBUILD_COMMAND
-from counters.exceptions import FlushFailed
-
-from ._failures import OneLineFailures, failure, failure_data
+from counters.base.exceptions import FlushFailed
+from counters.flushing.epoch import REBUILD_COMMAND
+from counters.management.commands._failures import OneLineFailures, failure, failure_data
+from counters.ops.run import flush, flush_databases
 
 FAILED = 1
 REBUILD_NEEDED = 4
@@ -89,9 +87,9 @@ class Command(OneLineFailures):
         }
         try:
             if alias is None:
-                results = api.flush_databases(time_budget=budget, **quarantined)
+                results = flush_databases(time_budget=budget, **quarantined)
             else:
-                results = {alias: counters.flush(using=alias, time_budget=budget, **quarantined)}
+                results = {alias: flush(using=alias, time_budget=budget, **quarantined)}
         except Exception as exc:
             if options["json"]:
                 self.stdout.write(json.dumps(self.failure_data(exc)))

@@ -28,12 +28,20 @@ from django.core.management.base import CommandError, CommandParser
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections
 from redis import RedisError
 
-from counters import api, conf, epoch
-from counters.exceptions import BufferUnavailable, CountersError, RebuildRunning, UnknownCounter
-from counters.fence import Fence
+from counters.base import conf
+from counters.base.exceptions import (
+    BufferUnavailable,
+    CountersError,
+    RebuildRunning,
+    UnknownCounter,
+)
+from counters.base.registry import all_specs, get_spec
+from counters.client import get_buffer
+from counters.flushing import epoch
+from counters.flushing.fence import Fence
 from counters.management.commands._failures import OneLineFailures, failure, failure_data
-from counters.rebuild import RebuildReport, rebuild, wait_for_audit
-from counters.registry import all_specs, get_spec
+from counters.verify.hold import rebuild_lease, wait_for_audit
+from counters.verify.rebuild import RebuildReport, rebuild, rebuild_all
 
 DRIFT_FOUND = 3
 
@@ -133,8 +141,8 @@ class Command(OneLineFailures):
         needed = None
         try:
             if full:
-                needed = epoch.rebuild_needed_since(api.get_buffer(using).prefix, using)
-                reports = api.rebuild_all(
+                needed = epoch.rebuild_needed_since(get_buffer(using).prefix, using)
+                reports = rebuild_all(
                     using=using, batch_size=options["batch_size"], progress=progress
                 )
             else:
@@ -151,7 +159,7 @@ class Command(OneLineFailures):
             if progress is not None:
                 progress.close()
         self.report(reports, options["json"])
-        prefix = api.get_buffer(using).prefix
+        prefix = get_buffer(using).prefix
         repaired = full and needed and not epoch.rebuild_needed_since(prefix, using)
         if repaired and needed is not None and not options["json"]:
             self.stdout.write(f"the Redis data loss seen since {needed.isoformat()} is repaired")
@@ -187,9 +195,9 @@ class Command(OneLineFailures):
 
         if options["dry_run"]:
             return run(progress)
-        buffer = api.get_buffer(using)
+        buffer = get_buffer(using)
         try:
-            with api.rebuild_lease(buffer, using) as lease:
+            with rebuild_lease(buffer, using) as lease:
                 if not lease.held and not wait_for_audit(buffer, lease):
                     raise RebuildRunning(lease.key)
 

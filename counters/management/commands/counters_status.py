@@ -16,12 +16,12 @@ import sys
 from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from redis import RedisError
 
-from counters import api, conf
-from counters.exceptions import BufferUnavailable
-from counters.status import gather, gather_without_redis
-from counters.utils import first_line
-
-from ._failures import OneLineFailures, failure, failure_data
+from counters.base import conf
+from counters.base.exceptions import BufferUnavailable
+from counters.base.utils import first_line
+from counters.client import get_buffer
+from counters.management.commands._failures import OneLineFailures, failure, failure_data
+from counters.ops.status import gather, gather_without_redis
 
 REDIS_UNREACHABLE = 2
 
@@ -42,7 +42,7 @@ class Command(OneLineFailures):
 
     def handle(self, *args, **options) -> None:
         using = options["database"]
-        buffer = api.get_buffer(using)
+        buffer = get_buffer(using)
         try:
             try:
                 status = gather(buffer, using)

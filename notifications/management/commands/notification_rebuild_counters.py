@@ -6,7 +6,9 @@ An alias of ``manage.py counters_rebuild unread`` with ``--user ID`` for
 ``--user`` this is the full rebuild of every counter (their summaries follow).
 
 Exit status: 0 when nothing was wrong or everything was repaired, 3 when
-``--dry-run`` found drift, 1 on errors (one readable line).
+``--dry-run`` found drift, 1 on errors (one readable line). It extends the
+``counters_rebuild`` command, imported from ``counters.management.commands``
+(where Django finds it), so both share every option, check and exit status.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Any
 from django.core.management.base import CommandParser
 
 from counters.management.commands import counters_rebuild
-from counters.rebuild import RebuildReport
 from notifications.apps import UNREAD_COUNTER
 
 DRIFT_FOUND = counters_rebuild.DRIFT_FOUND
@@ -52,7 +53,7 @@ class Command(counters_rebuild.Command):
     def counter_names(self, options: dict[str, Any]) -> list[str]:
         return [UNREAD_COUNTER]
 
-    def report(self, reports: list[RebuildReport], as_json: bool) -> None:
+    def report(self, reports: list[counters_rebuild.RebuildReport], as_json: bool) -> None:
         report = next(r for r in reports if r.counter == UNREAD_COUNTER)
         others = [r for r in reports if r is not report]
         if as_json:

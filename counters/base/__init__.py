@@ -1,0 +1,1 @@
+"""The base layer: settings, exceptions, the counter registry, helpers, switches, metrics."""

@@ -1,0 +1,301 @@
+"""Every ``COUNTERS_*`` setting, its type and its default, read at call time.
+
+Lookup order for each name: the Django setting, then an environment variable
+of the same name, then the default below. Reading at call time means
+``override_settings`` and changed environments take effect without a restart
+of anything but the process that reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings as django_settings
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type
+    default: Any
+    doc: str
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            "COUNTERS_REDIS_URL",
+            str,
+            None,
+            "Redis server holding the buffer. Default: the REDIS_URL setting, "
+            "else redis://127.0.0.1:6379/0.",
+        ),
+        Setting(
+            "COUNTERS_REDIS_CLUSTER",
+            bool,
+            False,
+            "COUNTERS_REDIS_URL names a Redis Cluster: any node, or several node URLs "
+            "comma-separated (a process finds the cluster if one of them answers).",
+        ),
+        Setting("COUNTERS_KEY_PREFIX", str, "counters", "Prefix of every Redis key Tally writes."),
+        Setting(
+            "COUNTERS_SHARDS",
+            int,
+            16,
+            "Number of shards. Each shard is one sorted set with its own lease; "
+            "shards spread over a Redis Cluster. Changing it strands pending deltas "
+            "in the old shards until they are flushed with the old value.",
+        ),
+        Setting(
+            "COUNTERS_BATCH_SIZE",
+            int,
+            5000,
+            "Most keys moved and applied in one DB transaction (5000: a flush of a backlog "
+            "runs fewer, larger batches, see docs/benchmarks.md).",
+        ),
+        Setting(
+            "COUNTERS_FLUSH_INTERVAL",
+            int,
+            10,
+            "Seconds between two runs of the periodic flush task (django-celery-beat).",
+        ),
+        Setting(
+            "COUNTERS_FLUSH_PARALLELISM",
+            int,
+            1,
+            "Celery workers one run of the periodic flush is split over: the beat task "
+            "sends this many counters.flush_shards tasks per database, each flushing a "
+            "disjoint set of shards (at most COUNTERS_SHARDS parts). 1: the beat task "
+            "flushes every shard itself.",
+        ),
+        Setting(
+            "COUNTERS_FLUSH_TIME_BUDGET",
+            float,
+            30.0,
+            "Seconds one flush may spend before it stops starting new batches.",
+        ),
+        Setting(
+            "COUNTERS_LEASE_TIMEOUT",
+            float,
+            30.0,
+            "Seconds a shard lease lives unless extended; a dead flusher's lease "
+            "expires after this long.",
+        ),
+        Setting(
+            "COUNTERS_SOCKET_TIMEOUT",
+            float,
+            2.0,
+            "Seconds a Redis call may take before the write path falls back to the DB.",
+        ),
+        Setting(
+            "COUNTERS_LEDGER_RETENTION",
+            int,
+            7 * 24 * 3600,
+            "Seconds applied batch ids are kept in the FlushBatch ledger.",
+        ),
+        Setting(
+            "COUNTERS_AUTO_REBUILD",
+            bool,
+            True,
+            "Run the full rebuild from the flush while a Redis data loss is not repaired. "
+            "A rebuild is safe under live writes and is what makes the counts exact again.",
+        ),
+        Setting(
+            "COUNTERS_DATABASES",
+            list,
+            None,
+            "Database aliases a flush without an alias drains (the periodic task, "
+            "notification_update_counter without --database); a list, or a comma-separated "
+            "string in the environment. Default: every alias the database routers let "
+            "the counters app migrate to.",
+        ),
+        Setting(
+            "COUNTERS_METRICS",
+            bool,
+            False,
+            "Serve the Prometheus exposition at the counters app's /metrics view; "
+            "off, the view answers 404.",
+        ),
+        Setting(
+            "COUNTERS_SEND_DELAY_MS",
+            float,
+            0.0,
+            "Milliseconds committed deltas may wait in this process's queue before a "
+            "background thread pushes them, many commits in one round trip "
+            "(counters.write.sender). 0: every COMMIT pushes its own deltas before returning.",
+        ),
+        Setting(
+            "COUNTERS_SEND_BATCH",
+            int,
+            500,
+            "With COUNTERS_SEND_DELAY_MS, commits that make the sender push at once.",
+        ),
+        Setting(
+            "COUNTERS_AUDIT_INTERVAL",
+            int,
+            10,
+            "Seconds between two runs of the periodic audit (django-celery-beat); 0 turns "
+            "the periodic audit off.",
+        ),
+        Setting(
+            "COUNTERS_AUDIT_SLICE",
+            int,
+            1000,
+            "Keys of each counter one audit run compares with the truth.",
+        ),
+        Setting(
+            "COUNTERS_AUDIT_RETENTION",
+            int,
+            90 * 24 * 3600,
+            "Seconds the audit's repair records (AuditRepair) are kept.",
+        ),
+        Setting(
+            "COUNTERS_DURABLE",
+            bool,
+            False,
+            "Durable mode: the deltas of each transaction are also written, inside it, to "
+            "the outbox table (one row per transaction and database) and the row is deleted "
+            "once Redis has them. A writer killed between COMMIT and its push loses nothing: "
+            "the flush pushes rows older than COUNTERS_OUTBOX_GRACE. Costs one INSERT in the "
+            "transaction and one DELETE after the push.",
+        ),
+        Setting(
+            "COUNTERS_OUTBOX_GRACE",
+            float,
+            30.0,
+            "Seconds an outbox row is left to its writer before a flush pushes it itself "
+            "(the writer died, or Redis was down). COUNTERS_OUTBOX_GRACE plus "
+            "COUNTERS_FLUSH_INTERVAL must stay under the age after which a row can no longer "
+            "be pushed safely (OUTBOX_SAFE_AGE, 120 s): older rows are repaired from the truth.",
+        ),
+    )
+}
+
+_MISSING = object()
+
+
+#: Strings a boolean setting accepts (any case); anything else is an error (see checks.py).
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
+
+
+def parse(setting: Setting, raw: Any) -> Any:
+    """Convert ``raw`` (a setting value or an environment string) to the setting's type."""
+    if raw is None:
+        return None
+    if setting.type is bool and isinstance(raw, str):
+        return raw.strip().lower() in TRUE_WORDS
+    if setting.type is list:
+        items = raw.split(",") if isinstance(raw, str) else raw
+        return [str(item).strip() for item in items if str(item).strip()]
+    if setting.type is int and isinstance(raw, float) and not raw.is_integer():
+        raise ValueError(f"{setting.name} must be a whole number, got {raw!r}")
+    return setting.type(raw)
+
+
+def get(name: str) -> Any:
+    setting = SETTINGS[name]
+    raw = getattr(django_settings, name, _MISSING)
+    if raw is _MISSING:
+        raw = os.environ.get(name, setting.default)
+    return parse(setting, raw)
+
+
+def redis_url() -> str:
+    return get("COUNTERS_REDIS_URL") or getattr(
+        django_settings, "REDIS_URL", "redis://127.0.0.1:6379/0"
+    )
+
+
+def redis_cluster() -> bool:
+    return bool(get("COUNTERS_REDIS_CLUSTER"))
+
+
+def key_prefix() -> str:
+    return get("COUNTERS_KEY_PREFIX")
+
+
+def shards() -> int:
+    return get("COUNTERS_SHARDS")
+
+
+def batch_size() -> int:
+    return get("COUNTERS_BATCH_SIZE")
+
+
+def flush_interval() -> int:
+    return get("COUNTERS_FLUSH_INTERVAL")
+
+
+def flush_parallelism() -> int:
+    return get("COUNTERS_FLUSH_PARALLELISM")
+
+
+def flush_time_budget() -> float:
+    return get("COUNTERS_FLUSH_TIME_BUDGET")
+
+
+def lease_timeout() -> float:
+    return get("COUNTERS_LEASE_TIMEOUT")
+
+
+def socket_timeout() -> float:
+    return get("COUNTERS_SOCKET_TIMEOUT")
+
+
+def ledger_retention() -> int:
+    return get("COUNTERS_LEDGER_RETENTION")
+
+
+def auto_rebuild_enabled() -> bool:
+    return get("COUNTERS_AUTO_REBUILD")
+
+
+def configured_databases() -> list[str] | None:
+    """``COUNTERS_DATABASES``: the aliases a flush drains, None for every one it may migrate."""
+    return get("COUNTERS_DATABASES")
+
+
+def metrics_enabled() -> bool:
+    return get("COUNTERS_METRICS")
+
+
+def send_delay() -> float:
+    """Seconds committed deltas may wait for the per-process sender; 0 when it is off."""
+    return (get("COUNTERS_SEND_DELAY_MS") or 0.0) / 1000
+
+
+def send_batch() -> int:
+    return get("COUNTERS_SEND_BATCH")
+
+
+def audit_interval() -> int:
+    """Seconds between periodic audits; 0 when the periodic audit is off (0 or None)."""
+    return get("COUNTERS_AUDIT_INTERVAL") or 0
+
+
+def audit_slice() -> int:
+    return get("COUNTERS_AUDIT_SLICE")
+
+
+def audit_retention() -> int:
+    return get("COUNTERS_AUDIT_RETENTION")
+
+
+def durable() -> bool:
+    return bool(get("COUNTERS_DURABLE"))
+
+
+def outbox_grace() -> float:
+    return get("COUNTERS_OUTBOX_GRACE")
+
+
+def raw(name: str) -> Any:
+    """The value of setting ``name`` as given (Django setting, else environment), unparsed."""
+    value = getattr(django_settings, name, _MISSING)
+    if value is _MISSING:
+        value = os.environ.get(name, SETTINGS[name].default)
+    return value

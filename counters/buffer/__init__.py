@@ -1,0 +1,1 @@
+"""The Redis side of the pipeline, without Django: shards, scripts, leases, push ids."""

@@ -1,0 +1,136 @@
+"""Deltas entering the buffer: pushes, each applied at most once, and fences.
+
+A push adds deltas to the pending sets of their shards, one atomic script
+per shard, under a push id (:mod:`counters.buffer.pushids`): each shard
+keeps the highest push applied per writer, so a repeat or an older push
+delivered late adds nothing. A fence closes the last push of a retired
+writer: it tells whether that push applied, and otherwise makes sure it
+never will.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+from redis.commands.core import Script
+
+from counters.base.exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
+from counters.base.utils import to_str
+from counters.buffer.keyspace import SCORE_LIMIT, Keyspace
+from counters.buffer.pushids import PushId
+from counters.buffer.scripts import DrainScript
+
+#: A push delivered later than this after it was sent is refused (a late TCP delivery
+#: after the writer gave up and wrote to the DB instead).
+PUSH_MAX_AGE_MS = 30_000
+#: How long a writer's high-water mark is kept after its last push or fence; longer than
+#: PUSH_MAX_AGE_MS plus the time a flush needs to fence the pushes of fallback writes.
+PUSH_MARKER_TTL_MS = 180_000
+
+
+class Intake(Keyspace):
+    """Push and fence: how deltas enter the pending sets of a buffer."""
+
+    _push: Script
+    _fence: DrainScript
+
+    def push(self, deltas: Mapping[str, int], push_id: PushId | str) -> set[int]:
+        """Add ``deltas`` ({member: delta}) in one round trip, one atomic script per shard.
+
+        ``push_id`` (a :class:`~counters.buffer.pushids.PushId`; text is read with
+        :meth:`PushId.of`) makes the call idempotent: each shard applies a
+        writer's pushes only in increasing order, so repeating the call (after
+        a lost reply) adds nothing twice, and neither does an older push of the
+        same writer delivered late. Returns the shards this call changed (a
+        shard that already had this push is left out).
+
+        A score is a double, exact for integers below 2**53 in magnitude. A
+        delta that large is never sent, and a shard where some member's sum
+        would reach it adds nothing: :class:`ScoreLimitExceeded` then names
+        those members. The caller applies them elsewhere and pushes the rest
+        again with the same id, which completes the refused shards only.
+        """
+        pid = PushId.of(push_id)
+        groups: dict[int, list[str | int]] = defaultdict(list)
+        refused: dict[str, int] = {}
+        for member, delta in deltas.items():
+            if not delta:
+                continue
+            if abs(delta) >= SCORE_LIMIT:
+                refused[member] = int(delta)
+            else:
+                groups[self.shard_of(member)].extend((member, int(delta)))
+        changed: set[int] = set()
+        if groups:
+            now_ms = int(time.time() * 1000)
+            calls = [
+                (
+                    [
+                        self.key(shard, "pending"),
+                        self.writer_key(shard, pid.writer),
+                        self.key(shard, "since"),
+                    ],
+                    [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, pid.seq, *args],
+                )
+                for shard, args in groups.items()
+            ]
+            replies = self._run(self._push, calls)
+            codes = _push_codes(groups, replies, deltas, refused)
+            if 2 in codes:
+                raise StalePush(str(push_id))
+            changed = {shard for shard, code in zip(groups, codes, strict=True) if code == 1}
+        if refused:
+            raise ScoreLimitExceeded(str(push_id), refused, changed)
+        return changed
+
+    def fence(self, members: Iterable[str], push_id: PushId | str) -> set[int]:
+        """Make push ``push_id`` of ``members`` unable to apply from now on.
+
+        ``push_id`` must be the last push of its writer (the writer was retired
+        after it). Returns the shards where it had already been applied (a
+        late delivery of a push the writer gave up on). Text that is not a
+        ``"<writer>:<seq>"`` id also fences the marker key such an id had
+        before writer ids (``push:<id>``), for direct writes made before them.
+        """
+        pid = PushId.of(push_id)
+        legacy = isinstance(push_id, str) and str(pid) != push_id
+        shards = sorted(self.by_shard(members))
+        calls = []
+        for shard in shards:
+            keys = [self.writer_key(shard, pid.writer)]
+            if legacy:
+                keys.append(self.key(shard, f"push:{push_id}"))
+            calls.append((keys, [PUSH_MARKER_TTL_MS, pid.seq]))
+        replies = self._run(self._fence, calls) if calls else []
+        if any(reply not in (0, 1) for reply in replies):
+            raise UnexpectedScriptReply("FENCE_SCRIPT", replies)
+        return {shard for shard, reply in zip(shards, replies, strict=True) if reply == 1}
+
+
+def _push_codes(
+    groups: Mapping[int, list[str | int]],
+    replies: list,
+    deltas: Mapping[str, int],
+    refused: dict[str, int],
+) -> list[int]:
+    """The code of each shard's push reply, in the order of ``groups``: 1 added, 0 refused
+    as a repeat, 2 delivered late, 3 over the score limit (its members go into ``refused``).
+
+    Raises :class:`UnexpectedScriptReply` for any other reply, or a refusal naming a
+    member the shard was not sent.
+    """
+    codes = []
+    for args, reply in zip(groups.values(), replies, strict=True):
+        if isinstance(reply, list) and reply and reply[0] == 3:
+            members = [to_str(m) for m in reply[1:]]
+            if not members or not set(members) <= set(args[::2]):
+                raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
+            refused.update((m, int(deltas[m])) for m in members)
+            codes.append(3)
+        elif reply in (0, 1, 2):
+            codes.append(reply)
+        else:
+            raise UnexpectedScriptReply("PUSH_SCRIPT", replies)
+    return codes

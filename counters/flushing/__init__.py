@@ -1,0 +1,1 @@
+"""The flush: shard drain, epochs, quarantine, settling, layouts, fences, bounded waits."""

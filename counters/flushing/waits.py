@@ -1,0 +1,250 @@
+"""Bounded database waits for the flush, and who blocks a flush (PostgreSQL).
+
+A flusher frozen inside its apply transaction (a VM paused, a host lost
+without a TCP reset) keeps its row locks and its uncommitted ledger row. The
+next flusher takes the shard once the lease expires, recovers the batch, and
+its ledger insert queues behind the frozen one. So the apply transaction runs
+under limits derived from the time budget and the lease (:func:`apply_limits`):
+
+- PostgreSQL: ``SET LOCAL lock_timeout``, ``statement_timeout`` and
+  ``idle_in_transaction_session_timeout``; the last one makes the server end
+  a frozen flusher's session, which rolls its transaction back, so the next
+  flush applies the batch (exactly once: the ledger row was never committed);
+- MySQL/MariaDB: the session's ``innodb_lock_wait_timeout`` (whole seconds),
+  restored afterwards;
+- SQLite: its busy timeout (``PRAGMA busy_timeout``), restored afterwards.
+
+A lock or statement timeout is an ``OperationalError``: the batch stays in
+flight, the shard fails this run, and the flush returns within its budget.
+:func:`blocked_flushes` names the sessions a flush waits on, for
+``counters_status``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import DatabaseError, connections, transaction
+
+from counters.base.registry import all_specs
+from counters.models import BufferEpoch, FlushBatch
+
+logger = logging.getLogger(__name__)
+
+#: Shortest lock wait a flush is given, seconds (0 would mean "no limit" to PostgreSQL).
+MIN_WAIT = 1.0
+#: A flusher idle inside its transaction this long is frozen, whatever the lease (seconds).
+MIN_IDLE = 60.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Seconds the apply transaction may wait for a lock, run a statement, and sit idle."""
+
+    lock: float
+    statement: float
+    idle: float
+
+
+def apply_limits(lease_timeout: float, remaining: float) -> Limits:
+    """The limits of one apply transaction of a flusher holding a lease of ``lease_timeout``.
+
+    Invariants: a lock wait ends within the time budget left (``remaining``,
+    at least :data:`MIN_WAIT`), so ``--time-budget`` holds whatever holds the
+    lock; a statement ends within that, or within the lease if that is
+    longer (a big batch near the end of the budget still gets a lease's
+    time); a session idle in the transaction for twice the lease (at least
+    :data:`MIN_IDLE`) is frozen, and the server ends it. Waiting past the own
+    lease is safe: a batch applied meanwhile by another flusher collides on
+    the ledger's primary key and is only acknowledged.
+    """
+    lock = max(MIN_WAIT, remaining)
+    return Limits(
+        lock=lock,
+        statement=max(lock, lease_timeout),
+        idle=max(MIN_IDLE, 2 * lease_timeout),
+    )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+#: The limits :func:`atomic` applies in this thread or task (set by :func:`limited`).
+_current: ContextVar[Limits | None] = ContextVar("counters_wait_limits", default=None)
+
+
+@contextmanager
+def limited(limits: Limits) -> Iterator[None]:
+    """Make :func:`atomic` apply ``limits`` within the block (the flush loop sets them)."""
+    token = _current.set(limits)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+@contextmanager
+def atomic(using: str) -> Iterator[None]:
+    """``transaction.atomic(using)`` under the limits of the enclosing :func:`limited`.
+
+    PostgreSQL: ``SET LOCAL`` of the three timeouts, first thing in the
+    transaction (one round trip). SQLite and MySQL: the session's lock wait,
+    set before BEGIN (SQLite's ``BEGIN IMMEDIATE`` already waits for the lock)
+    and put back after the transaction. Without limits, a plain ``atomic``.
+    """
+    limits = _current.get()
+    if limits is None:
+        with transaction.atomic(using=using):
+            yield
+        return
+    conn = connections[using]
+    # PostgreSQL needs no session setting (and its two round trips per batch) here.
+    outer = session(using, limits) if conn.vendor != "postgresql" else nullcontext()
+    with outer, transaction.atomic(using=using):
+        if conn.vendor == "postgresql":
+            with conn.cursor() as cursor:
+                cursor.execute(
+                    "SELECT set_config('lock_timeout', %s, true), "
+                    "set_config('statement_timeout', %s, true), "
+                    "set_config('idle_in_transaction_session_timeout', %s, true)",
+                    [str(_ms(limits.lock)), str(_ms(limits.statement)), str(_ms(limits.idle))],
+                )
+        yield
+
+
+@contextmanager
+def session(using: str, limits: Limits) -> Iterator[None]:
+    """Bound every lock wait of ``using``'s session to ``limits.lock`` within the block.
+
+    The previous value is put back on exit (when the connection still works).
+    PostgreSQL: ``lock_timeout``; SQLite: ``PRAGMA busy_timeout``;
+    MySQL/MariaDB: ``innodb_lock_wait_timeout`` (whole seconds). Others: nothing.
+    """
+    conn = connections[using]
+    setting: AbstractContextManager[None]
+    if conn.vendor == "postgresql":
+        setting = _restored(
+            conn,
+            "SELECT current_setting('lock_timeout')",
+            "SELECT set_config('lock_timeout', %s, false)",
+            str(_ms(limits.lock)),
+        )
+    elif conn.vendor == "sqlite":
+        setting = _restored(
+            conn, "PRAGMA busy_timeout", "PRAGMA busy_timeout = {}", _ms(limits.lock)
+        )
+    elif conn.vendor == "mysql":
+        setting = _restored(
+            conn,
+            "SELECT @@SESSION.innodb_lock_wait_timeout",
+            "SET SESSION innodb_lock_wait_timeout = {}",
+            max(1, math.ceil(limits.lock)),
+        )
+    else:
+        setting = nullcontext()
+    with setting:
+        yield
+
+
+@contextmanager
+def _restored(conn: Any, read: str, write: str, value: Any) -> Iterator[None]:
+    """Set a session setting to ``value``, and back to what it was on exit.
+
+    ``write`` takes the value as a ``%s`` parameter, or (PRAGMA and SET,
+    which take no parameters) formatted in as an integer with ``{}``.
+    """
+
+    def put(cursor: Any, new: Any) -> None:
+        if "%s" in write:
+            cursor.execute(write, [new])
+        else:
+            cursor.execute(write.format(int(new)))
+
+    with conn.cursor() as cursor:
+        cursor.execute(read)
+        (before,) = cursor.fetchone()
+        put(cursor, value)
+    try:
+        yield
+    finally:
+        try:
+            if conn.is_usable() and not conn.needs_rollback:
+                with conn.cursor() as cursor:
+                    put(cursor, before)
+        except DatabaseError as exc:  # the connection broke: it is replaced, setting and all
+            logger.debug("could not restore a session setting: %s", exc)
+
+
+#: Sessions of this database waiting on a lock, each with a session blocking it.
+BLOCKED_SQL = """
+SELECT w.pid, w.application_name, w.state,
+       EXTRACT(EPOCH FROM clock_timestamp() - w.query_start), left(w.query, 200),
+       b.pid, b.application_name, b.state, host(b.client_addr),
+       EXTRACT(EPOCH FROM clock_timestamp() - b.xact_start), left(b.query, 200)
+FROM pg_stat_activity AS w
+CROSS JOIN LATERAL unnest(pg_blocking_pids(w.pid)) AS blocker(pid)
+JOIN pg_stat_activity AS b ON b.pid = blocker.pid
+WHERE w.datname = current_database() AND w.wait_event_type = 'Lock'
+  AND w.pid <> pg_backend_pid()
+ORDER BY w.pid, b.pid
+"""
+
+
+def flush_tables() -> list[str]:
+    """Tables a flush writes in its apply transaction: the ledger, the epochs, the counters."""
+
+    tables = {FlushBatch._meta.db_table, BufferEpoch._meta.db_table}
+    tables.update(spec.model._meta.db_table for spec in all_specs())
+    return sorted(tables)
+
+
+def blocked_flushes(using: str) -> list[dict[str, Any]]:
+    """Flush statements of ``using`` waiting on a lock, and the session holding it (PostgreSQL).
+
+    A statement counts as a flush's when it writes the ledger, the epochs or a
+    counter table. Each entry: ``pid``, ``application``, ``waiting_seconds``,
+    ``query`` of the waiting session and ``blocked_by``: ``pid``,
+    ``application``, ``state`` (``idle in transaction`` for a frozen client),
+    ``client``, ``transaction_seconds``, ``query``. Empty elsewhere, and when
+    ``pg_stat_activity`` cannot be read (logged at DEBUG).
+    """
+    conn = connections[using]
+    if conn.vendor != "postgresql":
+        return []
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute(BLOCKED_SQL)
+            rows = cursor.fetchall()
+    except DatabaseError as exc:
+        logger.debug("pg_stat_activity could not be read: %s", exc)
+        return []
+    tables = flush_tables()
+    blocked: list[dict[str, Any]] = []
+    for row in rows:
+        query = row[4] or ""
+        if not any(table in query for table in tables):
+            continue
+        blocked.append(
+            {
+                "pid": row[0],
+                "application": row[1],
+                "waiting_seconds": round(float(row[3] or 0.0), 3),
+                "query": " ".join(query.split())[:200],
+                "blocked_by": {
+                    "pid": row[5],
+                    "application": row[6],
+                    "state": row[7],
+                    "client": row[8],
+                    "transaction_seconds": round(float(row[9] or 0.0), 3),
+                    "query": " ".join((row[10] or "").split())[:200],
+                },
+            }
+        )
+    return blocked

@@ -1,0 +1,1 @@
+"""Running the pipeline: the flush entry, fan-out, schedule, status, metrics exposition."""

@@ -1,0 +1,1 @@
+"""The read path: stored plus buffered values."""

@@ -1,0 +1,1 @@
+"""``track()``: declarations, the counted paths of tracked models, where, truth."""

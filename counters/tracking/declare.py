@@ -1,0 +1,270 @@
+"""``counters.track()``: an exact, buffered count (or sum) of the rows of any model.
+
+::
+
+    counters.track("post_comments", Comment, key="post",
+                   into="blog.PostStats.comments", where=Q(approved=True))
+
+A row of the source model adds to the counter of its ``key`` its
+contribution: 0 unless ``where`` holds, else 1 (or its ``amount``). Every
+counted path (see :mod:`counters.tracking.counting` and :mod:`counters.tracking.queryset`)
+locks the rows it changes, reads their contributions before and after, and
+adds the difference per key. ``track()`` checks the declaration, resolves
+its ``into`` target, registers the counter (a
+:class:`~counters.base.registry.CounterSpec` on the ``into`` field, with a
+truth source for rebuilds) and the tracker, then installs the counted routes
+(:func:`~counters.tracking.routes.install_tracked`). A mistake raises
+:class:`~counters.base.exceptions.TrackingError`, an ``ImproperlyConfigured``
+carrying one of the check ids of :data:`CHECK_IDS`, before anything is registered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.apps import apps
+from django.core.exceptions import FieldDoesNotExist
+from django.db import models
+from django.db.models import Q
+
+from counters.base import registry
+from counters.base.exceptions import TrackingError, UnknownCounter
+from counters.base.utils import concrete_model, related_model, target_field
+from counters.tracking import refusals
+from counters.tracking.routes import install_tracked
+from counters.tracking.trackers import Tracker, add_tracker, find_tracker
+from counters.tracking.truth import QueryTruth
+from counters.tracking.where import WhereError, compile_where
+
+logger = logging.getLogger(__name__)
+
+#: System check ids of the mistakes ``track()`` refuses.
+CHECK_IDS = {
+    "counters.E010": "unknown model or field, or a field that is not one column",
+    "counters.E011": "a where that cannot be decided from a row's own values",
+    "counters.E012": "an amount or a target field that is not an integer field",
+    "counters.E013": "a source model whose default manager is not counted",
+    "counters.E014": "a counter name already registered with other arguments",
+    "counters.E015": "an into model with no key field matching the key",
+    "counters.E016": "an invalid counter name",
+    "counters.E045": "a base manager (Meta.base_manager_name) that is not counted",
+    "counters.E046": "a proxy or multi-table relative whose default manager is not counted",
+    "counters.E050": "an into model with a NOT NULL column the flush cannot fill",
+    "counters.E051": "a key, amount or where on a generated field",
+    "counters.E052": "a source or into model with a composite primary key",
+    "counters.E053": "a counter column that already holds another counter",
+    "counters.E054": "a key whose values are not values of the into model's key field",
+}
+
+
+def track(
+    name: str,
+    model: type[models.Model] | str,
+    *,
+    key: str,
+    into: str,
+    where: Q | None = None,
+    amount: str | None = None,
+) -> Tracker:
+    """Count the rows of ``model`` per ``key`` into ``into`` (``"app_label.Model.field"``).
+
+    ``where`` (a ``Q`` on the model's own fields) picks the rows that count;
+    ``amount`` (an integer field) is added instead of 1. A counter without
+    ``amount`` is a count of rows and never reads below zero. Call it from
+    an ``AppConfig.ready()``; the same declaration twice is harmless.
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise TrackingError("counters.E016", str(name), "a name is a non-empty string without ':'")
+    source = _source_model(name, model)
+    key_field = _column(name, source, key, "key")
+    into_model, value_field, into_key = _resolve_into(name, into, key_field)
+    tracker = _validate(name, source, key, key_field, into, where, amount)
+    for check_id, problem in refusals.refusals(tracker, into_model, into_key, value_field):
+        raise TrackingError(check_id, name, problem)
+    existing = find_tracker(name)
+    if existing is not None:
+        if existing.signature == tracker.signature:
+            return existing
+        raise TrackingError(
+            "counters.E014", name, f"already tracked with other arguments {existing.signature}"
+        )
+    _register(tracker, into_model, into_key, value_field)
+    add_tracker(tracker)
+    install_tracked(tracker)
+    logger.debug("tracking %s: %s", tracker.name, tracker.signature)
+    return tracker
+
+
+def _resolve_into(
+    name: str, into: str, key_field: models.Field
+) -> tuple[type[models.Model], models.Field, models.Field]:
+    """``(into model, value field, its key field)``: where the counter of ``key`` is stored."""
+    into_model, value_field = _into(name, into)
+    return into_model, value_field, _into_key(name, into_model, key_field, value_field)
+
+
+def _validate(
+    name: str,
+    source: type[models.Model],
+    key: str,
+    key_field: models.Field,
+    into: str,
+    where: Q | None,
+    amount: str | None,
+) -> Tracker:
+    """The tracker of a declaration whose amount, where and routes can be counted; else raises."""
+    amount_field = None
+    if amount is not None:
+        amount_field = _column(name, source, amount, "amount")
+        if not _is_integer(amount_field):
+            raise TrackingError(
+                "counters.E012",
+                name,
+                f"amount {amount!r} is a {amount_field.get_internal_type()}, not an integer field",
+            )
+    try:
+        condition, where_attnames = compile_where(source, where)
+    except WhereError as exc:
+        check_id = "counters.E010" if exc.unknown_field else "counters.E011"
+        raise TrackingError(check_id, name, str(exc)) from None
+    manager_problem = refusals.uncounted_manager(source)
+    if manager_problem:
+        raise TrackingError("counters.E013", name, manager_problem)
+    route_problem = refusals.route_refusal(source)
+    if route_problem:
+        raise TrackingError(route_problem[0], name, route_problem[1])
+    attnames = [key_field.attname]
+    if amount_field is not None:
+        attnames.append(amount_field.attname)
+    attnames += sorted(where_attnames - set(attnames))
+    return Tracker(
+        name=name,
+        model=source,
+        key=key,
+        into=into,
+        where=where,
+        amount=amount,
+        key_field=key_field,
+        amount_field=amount_field,
+        condition=condition,
+        attnames=tuple(attnames),
+    )
+
+
+def _register(
+    tracker: Tracker,
+    into_model: type[models.Model],
+    into_key: models.Field,
+    value_field: models.Field,
+) -> None:
+    """Register the counter of a new ``tracker`` (its truth source for rebuilds); else raises."""
+    name = tracker.name
+    shared = (
+        None if _registered(name) else refusals.shared_column(name, into_model, value_field.name)
+    )
+    if shared:
+        raise TrackingError("counters.E053", name, shared)
+    try:
+        registry.register(
+            name,
+            into_model,
+            key_field=into_key.name,
+            value_field=value_field.name,
+            source=QueryTruth(tracker),
+            non_negative=tracker.amount is None,
+        )
+    except ValueError as exc:
+        raise TrackingError("counters.E014", name, str(exc)) from None
+
+
+def _registered(name: str) -> bool:
+    try:
+        registry.get_spec(name)
+    except UnknownCounter:
+        return False
+    return True
+
+
+def _source_model(name: str, model: type[models.Model] | str) -> type[models.Model]:
+    if isinstance(model, str):
+        try:
+            model = apps.get_model(model)
+        except (LookupError, ValueError) as exc:
+            raise TrackingError("counters.E010", name, f"no model {model!r}: {exc}") from None
+    if not (isinstance(model, type) and issubclass(model, models.Model)):
+        raise TrackingError("counters.E010", name, f"{model!r} is not a model")
+    if model._meta.proxy or model._meta.abstract:
+        raise TrackingError(
+            "counters.E010", name, f"{model._meta.label} is a proxy or abstract: track its table"
+        )
+    return model
+
+
+def _column(name: str, model: type[models.Model], field_name: str, role: str) -> models.Field:
+    try:
+        field = model._meta.get_field(field_name)
+    except FieldDoesNotExist:
+        raise TrackingError(
+            "counters.E010", name, f"{role} {field_name!r}: {model._meta.label} has no such field"
+        ) from None
+    if not isinstance(field, models.Field) or not field.concrete or field.many_to_many:
+        raise TrackingError(
+            "counters.E010", name, f"{role} {field_name!r} is not a column of {model._meta.label}"
+        )
+    return field
+
+
+def _into(name: str, into: str) -> tuple[type[models.Model], models.Field]:
+    parts = into.split(".") if isinstance(into, str) else []
+    if len(parts) != 3:
+        raise TrackingError("counters.E010", name, f'into {into!r} must be "app_label.Model.field"')
+    label = f"{parts[0]}.{parts[1]}"
+    try:
+        model = apps.get_model(label)
+    except LookupError:
+        raise TrackingError("counters.E010", name, f"into {into!r}: no model {label}") from None
+    field = _column(name, model, parts[2], "into")
+    if not _is_integer(field) or field.primary_key:
+        raise TrackingError(
+            "counters.E012",
+            name,
+            f"into {into!r} is a {field.get_internal_type()}, not an integer field to count in",
+        )
+    return model, field
+
+
+def _into_key(
+    name: str,
+    into_model: type[models.Model],
+    key_field: models.Field,
+    value_field: models.Field,
+) -> models.Field:
+    """The field of ``into_model`` whose value equals the source ``key``.
+
+    Its primary key, or a unique one-to-one: for a key pointing to model P,
+    a relation to P on the same target field; otherwise the primary key.
+    """
+    meta = into_model._meta
+    candidates = [meta.pk] + [
+        f for f in meta.concrete_fields if f.unique and not f.primary_key and f is not value_field
+    ]
+    if key_field.is_relation:
+        parent = concrete_model(related_model(key_field))
+        for field in candidates:
+            if (
+                field.is_relation
+                and concrete_model(related_model(field)) is parent
+                and target_field(field).attname == target_field(key_field).attname
+            ):
+                return field
+        raise TrackingError(
+            "counters.E015",
+            name,
+            f"{meta.label} has no primary key or unique one-to-one field pointing to "
+            f"{parent._meta.label} (the model of key {key_field.name!r})",
+        )
+    return meta.pk
+
+
+def _is_integer(field: models.Field) -> bool:
+    return isinstance(field, models.IntegerField) and not field.is_relation

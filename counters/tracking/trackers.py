@@ -1,0 +1,130 @@
+"""The trackers: one :class:`Tracker` per ``track()`` declaration, and who tracks what.
+
+Every counted path reads this registry and nothing above it: which trackers
+a model has (:func:`trackers_for`), which of its fields they read
+(:func:`tracked_fields`) and whether a change of some fields can move a
+counter (:func:`touches`). Invariant: a tracker is added once, after its
+declaration was checked and its counter registered, and never changes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import models
+from django.db.models import Q
+
+from counters.base import registry
+from counters.base.utils import concrete_model
+from counters.tracking.where import Predicate, Row
+
+
+@dataclass(frozen=True, eq=False)
+class Tracker:
+    """One ``track()`` declaration, resolved to fields."""
+
+    name: str
+    model: type[models.Model]
+    key: str
+    into: str
+    where: Q | None
+    amount: str | None
+    key_field: models.Field
+    amount_field: models.Field | None
+    condition: Predicate
+    attnames: tuple[str, ...]
+
+    @property
+    def signature(self) -> tuple:
+        return (self.model._meta.label, self.key, self.into, self.where, self.amount)
+
+    @property
+    def spec(self) -> registry.CounterSpec:
+        return registry.get_spec(self.name)
+
+    @property
+    def parent_model(self) -> type[models.Model] | None:
+        """The model ``key`` points to (its counters exist for each of its rows), else None."""
+        remote = self.key_field.remote_field
+        return remote.model if remote is not None else None
+
+    def contribution(self, row: Row) -> tuple[Any, int] | None:
+        """``(key, what the row adds)``, or None if it adds nothing."""
+        key = row[self.key_field.attname]
+        if key is None or not self.condition(row):
+            return None
+        if self.amount_field is None:
+            return key, 1
+        return key, row[self.amount_field.attname] or 0
+
+    def totals(self, rows: Iterable[Row | None]) -> Counter:
+        """What ``rows`` add up to per key (keys normalised: ``"5"`` and ``5`` are one)."""
+        normalize = self.spec.normalize
+        totals: Counter = Counter()
+        for row in rows:
+            if row is None:
+                continue
+            found = self.contribution(row)
+            if found is not None and found[1]:
+                totals[normalize(found[0])] += found[1]
+        return totals
+
+    def deltas(self, old: Iterable[Row | None], new: Iterable[Row | None]) -> dict[Any, int]:
+        """``new - old`` per key, zeros left out."""
+        change = self.totals(new)
+        change.subtract(self.totals(old))
+        return {key: delta for key, delta in change.items() if delta}
+
+
+_trackers: dict[str, Tracker] = {}
+_by_model: dict[type[models.Model], tuple[Tracker, ...]] = {}
+_fields: dict[type[models.Model], tuple[models.Field, ...]] = {}
+_names: dict[type[models.Model], frozenset[str]] = {}
+
+
+def add_tracker(tracker: Tracker) -> None:
+    """Record ``tracker``, and the fields its model's counted paths read from now on."""
+    model = tracker.model
+    _trackers[tracker.name] = tracker
+    _by_model[model] = (*_by_model.get(model, ()), tracker)
+    names = {a for t in _by_model[model] for a in t.attnames}
+    fields = tuple(f for f in model._meta.concrete_fields if f.attname in names)
+    _fields[model] = fields
+    _names[model] = frozenset({f.name for f in fields} | {f.attname for f in fields})
+
+
+def trackers_for(model: type[models.Model]) -> tuple[Tracker, ...]:
+    """The trackers whose source is ``model`` (or the concrete model of a proxy)."""
+    return _by_model.get(concrete_model(model), ())
+
+
+def tracked_fields(model: type[models.Model]) -> tuple[models.Field, ...]:
+    """The fields a counted path reads from rows of ``model``, in a fixed order."""
+    return _fields.get(concrete_model(model), ())
+
+
+def touches(model: type[models.Model], names: Iterable[str]) -> bool:
+    """Whether changing fields ``names`` (names or attnames) can change a counter."""
+    tracked = _names.get(concrete_model(model))
+    return tracked is not None and not tracked.isdisjoint(names)
+
+
+def get_tracker(name: str) -> Tracker:
+    return _trackers[name]
+
+
+def find_tracker(name: str) -> Tracker | None:
+    """The tracker named ``name``, or None."""
+    return _trackers.get(name)
+
+
+def all_trackers() -> list[Tracker]:
+    return list(_trackers.values())
+
+
+def tracked_models() -> tuple[type[models.Model], ...]:
+    """The concrete models that have trackers, in the order they were first tracked."""
+    return tuple(_by_model)

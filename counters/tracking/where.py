@@ -1,0 +1,200 @@
+"""A tracked counter's ``where``, decided in Python from one row's own values.
+
+Only lookups whose Python answer is the database's answer are accepted:
+``exact``, ``in`` and ``isnull`` on fields compared by value, and ``gt``,
+``gte``, ``lt``, ``lte`` on numbers, dates and times (text is left out: its
+order is the database collation's). ``&``, ``|``, ``^`` and ``~`` combine
+them. A lookup with ``None`` or on NULL is false, as in SQL; under ``~``
+Django makes every comparison two-valued, and so does Python. A relation
+traversal (``post__title``) or an expression (``F("a")``) cannot be decided
+from the row's own values and is refused by :func:`compile_where`.
+
+Values are compared as Python values of their field (:func:`python_value`):
+the values a row read from the database has, and the values an instance
+would be saved with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import FieldDoesNotExist
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from counters.base.utils import target_field
+
+Row = Mapping[str, Any]
+Predicate = Callable[[Row], bool]
+
+_INTEGERS = {
+    "AutoField",
+    "BigAutoField",
+    "SmallAutoField",
+    "IntegerField",
+    "BigIntegerField",
+    "SmallIntegerField",
+    "PositiveIntegerField",
+    "PositiveBigIntegerField",
+    "PositiveSmallIntegerField",
+}
+#: Field types ordered the same way in Python and in SQL.
+ORDERED = _INTEGERS | {"FloatField", "DateField", "DateTimeField", "TimeField", "DurationField"}
+#: Field types equal in Python exactly when they are equal in SQL.
+COMPARABLE = ORDERED | {
+    "BooleanField",
+    "CharField",
+    "TextField",
+    "SlugField",
+    "UUIDField",
+    "ForeignKey",
+    "OneToOneField",
+}
+LOOKUPS = {"exact", "in", "isnull", "gt", "gte", "lt", "lte"}
+
+
+class WhereError(ValueError):
+    """``where`` cannot be decided from a row's own values; ``unknown_field`` if a name is wrong."""
+
+    def __init__(self, message: str, *, unknown_field: bool = False) -> None:
+        self.unknown_field = unknown_field
+        super().__init__(message)
+
+
+def is_expression(value: Any) -> bool:
+    return hasattr(value, "resolve_expression")
+
+
+def python_value(field: models.Field, value: Any) -> Any:
+    """``value`` as the Python value ``field`` stores (an instance is its key)."""
+    if value is None:
+        return None
+    if field.is_relation and isinstance(value, models.Model):
+        value = getattr(value, target_field(field).attname)
+    value = field.to_python(value)
+    if (
+        isinstance(value, datetime)
+        and settings.USE_TZ
+        and field.get_internal_type() == "DateTimeField"
+        and timezone.is_naive(value)
+    ):
+        value = timezone.make_aware(value, timezone.get_default_timezone())
+    return value
+
+
+def compile_where(model: type[models.Model], where: Q | None) -> tuple[Predicate, set[str]]:
+    """A predicate over ``{attname: value}`` rows, and the attnames it reads."""
+    if where is None:
+        return (lambda row: True), set()
+    if not isinstance(where, Q):
+        raise WhereError(f"where must be a Q object, not {type(where).__name__}")
+    attnames: set[str] = set()
+    return _node(model, where, attnames), attnames
+
+
+def _node(model: type[models.Model], q: Q, attnames: set[str]) -> Predicate:
+    parts = [
+        _node(model, child, attnames) if isinstance(child, Q) else _leaf(model, child, attnames)
+        for child in q.children
+    ]
+    if q.connector == Q.OR:
+
+        def test(row: Row) -> bool:
+            return any(p(row) for p in parts)
+    elif q.connector == Q.XOR:
+
+        def test(row: Row) -> bool:
+            return sum(1 for p in parts if p(row)) % 2 == 1
+    else:
+
+        def test(row: Row) -> bool:
+            return all(p(row) for p in parts)
+
+    if q.negated:
+        return lambda row: not test(row)
+    return test
+
+
+def _leaf(model: type[models.Model], child: Any, attnames: set[str]) -> Predicate:
+    if not (isinstance(child, tuple) and len(child) == 2 and isinstance(child[0], str)):
+        raise WhereError(f"{child!r} is not a field lookup")
+    path, value = child
+    name, _, lookup = path.partition("__")
+    lookup = lookup or "exact"
+    try:
+        found = model._meta.get_field(name)
+    except FieldDoesNotExist:
+        raise WhereError(
+            f"{model._meta.label} has no field {name!r} (in where {path!r})", unknown_field=True
+        ) from None
+    if not isinstance(found, models.Field) or not found.concrete or found.many_to_many:
+        raise WhereError(f"where {path!r}: {name!r} is not a column of {model._meta.label}")
+    field = found
+    if lookup not in LOOKUPS:
+        related = field.related_model
+        if "__" in lookup or (isinstance(related, type) and _is_field(related, lookup)):
+            raise WhereError(
+                f"where {path!r} follows a relation: it cannot be decided from a row's own "
+                f"values (compare {field.attname!r} instead)"
+            )
+        raise WhereError(
+            f"where {path!r}: lookup {lookup!r} is not supported "
+            f"(supported: {', '.join(sorted(LOOKUPS))})"
+        )
+    kind = field.get_internal_type()
+    allowed = ORDERED if lookup in {"gt", "gte", "lt", "lte"} else COMPARABLE
+    if lookup != "isnull" and kind not in allowed:
+        raise WhereError(
+            f"where {path!r}: {lookup!r} on a {kind} may not give the database's answer in Python"
+        )
+    if is_expression(value) or (
+        lookup == "in" and not isinstance(value, str) and any(map(is_expression, _items(value)))
+    ):
+        raise WhereError(
+            f"where {path!r} compares with an expression: only constants can be decided "
+            "from a row's own values"
+        )
+    attname = field.attname
+    attnames.add(attname)
+    if lookup == "isnull" or (lookup == "exact" and value is None):
+        wanted = True if lookup == "exact" else value
+        if not isinstance(wanted, bool):
+            raise WhereError(f"where {path!r}: isnull takes True or False")
+        return lambda row: (row[attname] is None) is wanted
+    try:
+        if lookup == "in":
+            options = {python_value(field, v) for v in _items(value)} - {None}
+            return lambda row: row[attname] is not None and row[attname] in options
+        target = python_value(field, value)
+    except Exception as exc:
+        raise WhereError(f"where {path!r}: {value!r} is not a value of that field ({exc})") from exc
+    compare = _COMPARE[lookup]
+    return lambda row: row[attname] is not None and compare(row[attname], target)
+
+
+def _is_field(model: type[models.Model], name: str) -> bool:
+    try:
+        model._meta.get_field(name)
+    except FieldDoesNotExist:
+        return name == "pk"
+    return True
+
+
+def _items(value: Any) -> list[Any]:
+    try:
+        return list(value)
+    except TypeError:
+        raise WhereError(f"an 'in' lookup takes a list of values, not {value!r}") from None
+
+
+_COMPARE: dict[str, Callable[[Any, Any], bool]] = {
+    "exact": lambda a, b: a == b,
+    "gt": lambda a, b: a > b,
+    "gte": lambda a, b: a >= b,
+    "lt": lambda a, b: a < b,
+    "lte": lambda a, b: a <= b,
+}

@@ -1,0 +1,1 @@
+"""Repairs against the truth: rebuild and audit."""

@@ -1,0 +1,1 @@
+"""The write path: add, per-transaction deltas, delivery after COMMIT, durable mode, the apply."""

@@ -1,0 +1,203 @@
+"""Committed deltas delivered: pushed to Redis in one round trip, or written directly.
+
+``add()``/``add_many()`` (:mod:`counters.write.add`) hold deltas until the
+transaction commits (:mod:`counters.write.transactions`); :func:`send` then
+pushes them to Redis in one round trip, under a push id that makes a repeat
+harmless. When Redis fails, :func:`counters.write.fallback.write_direct`
+applies them to the database at once, recorded in the ledger; a push that may
+still arrive later leaves that write "unsettled" until a flush fences it
+(:mod:`counters.flushing.settle`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from redis import RedisError
+
+from counters.base.exceptions import NotConnected, ScoreLimitExceeded, StalePush
+from counters.base.utils import capped
+from counters.buffer import pushids
+from counters.buffer.pushids import PushId
+from counters.buffer.store import Buffer
+from counters.client import get_buffer
+from counters.write import outbox, sender
+from counters.write.fallback import write_direct
+from counters.write.preflight import ensure_recorded
+
+logger = logging.getLogger(__name__)
+
+
+def may_have_left(exc: BaseException) -> bool:
+    """Could the push that failed with ``exc`` still have reached Redis, or arrive later?
+
+    Only a failure to connect (:class:`NotConnected`) proves that nothing was
+    sent. A timeout or a reset after the command was written, an error reply
+    from one shard of a pipelined push (the other shards may have applied it),
+    a refusal as too late: all may have left something in Redis.
+    """
+    return not isinstance(exc, NotConnected)
+
+
+def new_push_id() -> str:
+    """A push id allocated now, before COMMIT, as text (``"<writer>:<seq>"``).
+
+    Its writer is held until :func:`send` ends the id; a caller that does not
+    send (its COMMIT failed) must :func:`counters.buffer.pushids.release` it.
+    """
+    return str(pushids.allocate())
+
+
+def send(
+    deltas: Mapping[str, int],
+    using: str,
+    *,
+    push_id: PushId | str | None = None,
+    outbox: bool = False,
+) -> None:
+    """Hand committed deltas on: to this process's sender when it is on, else push them now.
+
+    Never raises: it runs after COMMIT, where the request has already
+    succeeded. Deltas with a push id of their own (an outbox row's, in durable
+    mode) are always pushed now, under that id: a later push of the row by a
+    flush must find it applied.
+    """
+    if any(deltas.values()):
+        # In the committing thread, before any push: the DB knows the layout and the
+        # shards' epochs (not in the sender's thread, which has no connection of its own).
+        ensure_recorded(get_buffer(using), using)
+    queued = push_id is None and not outbox and sender.enabled()
+    if queued and sender.enqueue(deltas, using, push_now):
+        return
+    push_now(deltas, using, push_id=push_id, outbox=outbox)
+
+
+def push_now(
+    deltas: Mapping[str, int],
+    using: str,
+    *,
+    push_id: PushId | str | None = None,
+    outbox: bool = False,
+) -> None:
+    """Push committed deltas to Redis; if Redis fails, apply them to the DB directly.
+
+    Deltas that a Redis score cannot sum exactly (2**53 and beyond) are
+    applied to the DB directly as well. Never raises: it runs after COMMIT,
+    where the request has already succeeded.
+
+    The push uses ``push_id`` when given (allocated before COMMIT with
+    :func:`new_push_id` or :func:`counters.buffer.pushids.allocate`), else a fresh id
+    of this process's pushids. Either way it ends the id:
+    :func:`counters.buffer.pushids.release` if the push resolved,
+    :func:`counters.buffer.pushids.retire` if it may have left without an answer. A
+    caller that ends the id again afterwards changes nothing. ``outbox``: the
+    deltas are held in the outbox row ``push_id`` (durable mode), deleted once
+    they are counted: after the push, or in the transaction of the direct
+    write; a push that did not succeed then always retires its writer, so a
+    flush that pushes the row later under that id is its writer's last number.
+    """
+    if push_id is None:
+        pid = pushids.allocate()
+    elif isinstance(push_id, str):
+        pid = PushId.parse(push_id)
+    else:
+        pid = push_id
+    resolved = False
+    try:
+        resolved = _send(deltas, using, pid, outbox)
+    finally:
+        pushids.finish(pid, resolved)
+
+
+def _send(deltas: Mapping[str, int], using: str, push_id: PushId, outbox: bool) -> bool:
+    """:func:`send`; True if the push resolved (its writer may push again)."""
+    rest = {member: delta for member, delta in deltas.items() if delta}
+    direct: dict[str, int] = {}
+    maybe_sent = pushed = False
+    if rest:
+        buffer = get_buffer(using)
+        for attempt in (1, 2):
+            try:
+                push_exact(buffer, rest, direct, push_id)
+                pushed = True
+                break
+            except (RedisError, StalePush) as exc:
+                # The push is idempotent per push id, so one repeat is safe even if
+                # the first attempt ran and only its reply was lost. A failure after
+                # the command left (a timeout, a reset) may still deliver it later:
+                # the direct write then stays unsettled until a flush fences it.
+                maybe_sent = maybe_sent or may_have_left(exc)
+                if attempt == 2:
+                    logger.warning(
+                        "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
+                    )
+    else:
+        pushed = True
+    if outbox:
+        send_outbox(rest, direct, using, str(push_id), pushed=pushed, maybe_sent=maybe_sent)
+        return pushed and not maybe_sent
+    if direct:
+        # These never entered Redis: nothing to fence, a settled write.
+        write_direct(direct, using)
+    if not pushed and rest:
+        write_direct(rest, using, push_id=push_id, unsettled=maybe_sent)
+    # A push that may have left without an answer (even one a repeat completed)
+    # ends its writer: a late delivery is then always the writer's last number.
+    return not maybe_sent
+
+
+def send_outbox(
+    rest: dict[str, int],
+    direct: dict[str, int],
+    using: str,
+    push_id: str,
+    *,
+    pushed: bool,
+    maybe_sent: bool,
+) -> None:
+    """The end of :func:`send` for deltas held in outbox row ``push_id``: delete the row.
+
+    Once pushed, the row goes (one DELETE); the members Redis refused are
+    written directly in the same transaction as the DELETE. Not pushed, the
+    direct write of the rest deletes the row. If the row is gone, a flush
+    took it (pushed it itself): that direct write is skipped.
+    """
+    if pushed and not direct:
+        try:
+            outbox.forget(push_id, using)
+        except Exception:  # the next flush pushes it again, under the same id: counted once
+            logger.exception("could not delete outbox row %s", push_id)
+        return
+    if pushed:
+        write_direct(direct, using, outbox=push_id)
+        return
+    if direct:
+        # Never in Redis, so never fenced: kept apart from the unsettled write below,
+        # whose fence could find this push id applied in their shard by a later attempt.
+        # (A process killed between the two writes has them pushed again by the flush.)
+        write_direct(direct, using)
+    write_direct(rest, using, push_id=push_id, unsettled=maybe_sent, outbox=push_id)
+
+
+def push_exact(
+    buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: PushId | str
+) -> None:
+    """Push ``rest``, moving the members Redis refuses as too large from ``rest`` to ``direct``.
+
+    A refused shard added nothing, so pushing the remainder again with the
+    same id completes it, while the shards that took the push ignore the repeat.
+    """
+    for _ in range(len(rest) + 1):
+        try:
+            buffer.push(rest, push_id)
+            return
+        except ScoreLimitExceeded as exc:
+            for member in exc.members:
+                direct[member] = rest.pop(member)
+            logger.info(
+                "%s deltas reach 2**53, beyond exact Redis scores; writing them to the DB: %s",
+                len(exc.members),
+                capped(exc.members),
+            )
+    raise AssertionError("unreachable: every refusal removes a member")
