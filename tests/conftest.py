@@ -22,8 +22,9 @@ from django.db import connection
 
 import counters
 from counters import client as client_module
-from counters import conf, sender
-from counters.cluster import ClusterClient
+from counters.base import conf
+from counters.buffer.cluster import ClusterClient
+from counters.write import sender
 from tests.redis_cluster import RedisCluster as RedisClusterServer
 
 pytest.register_assert_rewrite("tests.helpers")

@@ -22,7 +22,7 @@ def main() -> None:
     from django.db import connection
 
     import counters
-    from counters import flusher
+    from counters.flushing import shard as flusher
 
     real = flusher.apply_deltas
     frozen = False

@@ -32,7 +32,7 @@ django.setup()
 
 from django.db import transaction  # noqa: E402
 
-from counters.buffer import Buffer  # noqa: E402
+from counters.buffer.store import Buffer  # noqa: E402
 from notifications.models import Notification  # noqa: E402
 
 

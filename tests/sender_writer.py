@@ -33,7 +33,7 @@ def create(user: int, count: int) -> None:
     import django
 
     django.setup()
-    from counters import sender
+    from counters.write import sender
     from notifications.models import Notification
 
     for i in range(count):

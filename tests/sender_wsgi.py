@@ -17,7 +17,7 @@ import django
 
 django.setup()
 
-from counters import sender  # noqa: E402
+from counters.write import sender  # noqa: E402
 from notifications.models import Notification  # noqa: E402
 
 

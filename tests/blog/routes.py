@@ -7,7 +7,8 @@ from django.db import connections
 from django.db.models import Q
 
 import counters
-from counters import registry, tracking
+from counters.base import registry
+from counters.tracking import trackers
 from tests.blog.models import RouteBase, RouteChild, RouteEntry, RouteOwner, RouteStats
 
 #: counter -> the SQL counting its rows of one owner (the only parameters: the owner, True).
@@ -34,7 +35,7 @@ def track_routes(monkeypatch: pytest.MonkeyPatch) -> None:
     """
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
     for name in ("_trackers", "_by_model", "_fields", "_names"):
-        monkeypatch.setattr(tracking, name, dict(getattr(tracking, name)))
+        monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
     for name, model, key, where in (
         ("route_entries", RouteEntry, "owner", None),
         ("route_kept", RouteEntry, "keeper", None),

@@ -118,7 +118,7 @@ def command_flusher(chaos_settings, tmp_path) -> Iterator[CommandFlusher]:
 @pytest.fixture
 def celery_flusher(chaos_settings, broker_redis, tmp_path) -> Iterator[CeleryFlusher]:
     """A Celery worker (killed and restarted by the chaos); a beat sends the flush every 1 s."""
-    from counters.schedule import ensure_periodic_task
+    from counters.ops.schedule import ensure_periodic_task
 
     ensure_periodic_task(interval=1)
     env = subprocess_env(chaos_settings, CeleryFlusher.APP, CELERY_BROKER_URL=broker_redis.url)

@@ -25,7 +25,7 @@ from collections import Counter
 import psycopg
 from redis import RedisError
 
-from counters.buffer import Buffer
+from counters.buffer.store import Buffer
 from tests.chaos.harness import CeleryFlusher, CommandFlusher
 from tests.redis_server import RedisServer
 

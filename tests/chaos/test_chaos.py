@@ -31,9 +31,9 @@ from django.db.models import Count, Sum
 from redis import RedisError
 
 import counters
-from counters.exceptions import FlushFailed
+from counters.base.exceptions import FlushFailed
 from counters.models import BufferEpoch
-from counters.rebuild import rebuild
+from counters.verify.rebuild import rebuild
 from notifications.models import Notification, UnreadCounter
 from tests.chaos import audit
 from tests.chaos.faults import Chaos

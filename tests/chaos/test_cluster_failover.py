@@ -29,7 +29,7 @@ from django.core.management import call_command
 from django.db import connection
 
 import counters
-from counters.exceptions import FlushFailed
+from counters.base.exceptions import FlushFailed
 from counters.models import BufferEpoch, FlushBatch
 from tests.chaos.conftest import subprocess_env
 from tests.chaos.harness import CommandFlusher, Writers

@@ -1,7 +1,7 @@
 """A network partition between a writer and Redis: the push is late, not lost.
 
 The write path pushes deltas after COMMIT; if both attempts time out it
-writes them to the DB instead (``counters.writes.send`` → ``write_direct``). A
+writes them to the DB instead (``counters.write.delivery.send`` → ``write_direct``). A
 timeout does not mean the push did not happen: a pipeline already written to
 the socket can still reach Redis after the client gave up (TCP delivers what
 it sent once a partition heals; a stalled Redis runs what it read when it
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 import counters
-from counters import writes
+from counters.write import fallback
 from notifications.models import Notification
 from tests.helpers import stored, truth
 from tests.redis_server import RedisServer
@@ -116,11 +116,11 @@ def partition(settings) -> Iterator[PartitionProxy]:
 def test_a_push_that_arrives_after_the_fallback_is_not_counted_twice(partition, make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="before")  # connection up, scripts loaded
-    fallbacks = writes.fallback_count
+    fallbacks = fallback.fallback_count
 
     partition.hold(b"EVALSHA")  # the pushes of the next write stay on the wire
     Notification.objects.create(recipient=alice, verb="during the partition")
-    if writes.fallback_count != fallbacks + 1:
+    if fallback.fallback_count != fallbacks + 1:
         pytest.fail("the push should have timed out twice and fallen back to the DB")
 
     partition.release()

@@ -52,21 +52,22 @@ def _log(event: str, batch: Any) -> None:
 
 def _first() -> bool:
     """True in the one process (of every worker of this test) that asks first."""
-    from counters import conf, get_client
+    from counters import get_client
+    from counters.base import conf
 
     key = f"{conf.key_prefix()}:test-fault-once"
     return bool(get_client().set(key, os.getpid(), nx=True))
 
 
 def _install() -> None:
-    from counters import flusher
-    from counters.buffer import Buffer
+    from counters.buffer.store import Buffer
+    from counters.flushing import ledger
 
     fault = os.environ.get("TALLY_TEST_FAULT", "")
     name, _, arg = fault.partition(":")
     if not name:
         return
-    record_batch = flusher.record_batch  # inside the batch's transaction: its ledger row
+    record_batch = ledger.record_batch  # inside the batch's transaction: its ledger row
 
     if name in ("slow-apply", "slow-first-apply"):
         seconds = float(arg)
@@ -78,7 +79,7 @@ def _install() -> None:
                 time.sleep(seconds)
                 _log("apply-end", batch)
 
-        flusher.record_batch = slow
+        ledger.record_batch = slow
     elif name == "hang-apply":
 
         def hang(batch, using):
@@ -87,7 +88,7 @@ def _install() -> None:
                 _log("hang", batch)
                 time.sleep(3600)
 
-        flusher.record_batch = hang
+        ledger.record_batch = hang
     elif name == "hang-ack":
         ack = Buffer.ack
 

@@ -22,7 +22,7 @@ from django.db import connection
 from django.db.models import F
 
 from counters.models import AuditRepair, FlushBatch
-from counters.schedule import ensure_audit_task, ensure_periodic_task
+from counters.ops.schedule import ensure_audit_task, ensure_periodic_task
 from notifications.models import Notification, UnreadCounter
 from tests.e2e.celery_procs import CeleryProcs
 from tests.helpers import stored, truth

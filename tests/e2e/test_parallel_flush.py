@@ -19,12 +19,12 @@ from celery import Celery
 from django.db import connection
 
 import counters
-from counters.fanout import last_run, partition, run_key
+from counters.base.registry import get_spec
+from counters.base.utils import to_str
 from counters.models import FlushBatch
-from counters.registry import get_spec
-from counters.schedule import ensure_periodic_task
+from counters.ops.fanout import last_run, partition, run_key
+from counters.ops.schedule import ensure_periodic_task
 from counters.tasks import PART_TASK_NAME
-from counters.utils import to_str
 from notifications.apps import UNREAD_COUNTER
 from notifications.models import Notification
 from tests.e2e.celery_procs import CeleryProcs
