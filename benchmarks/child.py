@@ -7,7 +7,7 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
-#: Settings a child takes over from the parent (values read through ``counters.conf``).
+#: Settings a child takes over from the parent (values read through ``counters.base.conf``).
 COUNTER_SETTINGS = (
     "COUNTERS_REDIS_URL",
     "COUNTERS_KEY_PREFIX",
@@ -32,7 +32,7 @@ class ChildContext:
         from django.conf import settings
         from django.db import connection
 
-        from counters import conf
+        from .internals import conf
 
         values: dict[str, object] = {
             "COUNTERS_REDIS_URL": conf.redis_url(),

@@ -10,13 +10,11 @@ from django.contrib.auth import get_user_model
 from django.db import connection, models
 from django.db.models import AutoField, BigAutoField, SmallAutoField
 from django.utils import timezone
-from redis import Redis
 
-from counters.buffer import Buffer
-from counters.cluster import ClusterClient
 from counters.models import BufferEpoch, FlushBatch
-from counters.utils import column, model_field
 from notifications.models import Notification, UnreadCounter
+
+from .internals import Buffer, RedisClient, column, model_field
 
 _AUTO = (AutoField, BigAutoField, SmallAutoField)
 
@@ -179,7 +177,7 @@ def delete_epochs(prefix: str) -> None:
     BufferEpoch.objects.filter(prefix=prefix).delete()
 
 
-def delete_prefix(client: Redis | ClusterClient, prefix: str) -> int:
+def delete_prefix(client: RedisClient, prefix: str) -> int:
     """Delete every Redis key under ``prefix``; how many there were."""
     keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
     for i in range(0, len(keys), 500):

@@ -18,15 +18,13 @@ from contextlib import contextmanager
 
 from django.db import connection, transaction
 
-from counters import conf, flusher, writers
-from counters.apply import CHUNK
-from counters.buffer import Buffer
+import counters
 from counters.models import FlushBatch
-from counters.registry import get_spec
-from counters.utils import batched, column, model_field
 from notifications.apps import UNREAD_COUNTER
 
 from .errors import BenchError
+from .internals import CHUNK, Buffer, FlushResult, batched, column, conf, model_field, pushids
+from .internals import shard as flusher
 
 #: Deltas of one flush interval: mostly single notifications, some bursts, some reads.
 DELTAS = (1, 1, 1, 1, 1, 1, 2, 2, 3, 5, -1, -2)
@@ -45,10 +43,10 @@ def random_deltas(keys: list[int], seed: int) -> dict[int, int]:
 
 def seed_pending(buffer: Buffer, deltas: Mapping[int, int]) -> None:
     """Push ``deltas`` ({user id: delta}) into the buffer, as committed writes would."""
-    spec = get_spec(UNREAD_COUNTER)
+    spec = counters.get_spec(UNREAD_COUNTER)
     items = [(spec.member(key), delta) for key, delta in deltas.items()]
     for chunk in batched(items, PUSH_CHUNK):
-        with writers.pushing() as push_id:
+        with pushids.pushing() as push_id:
             buffer.push(dict(chunk), push_id)
 
 
@@ -75,9 +73,9 @@ def delete_ledger_rows(batch_ids: list[str]) -> None:
         FlushBatch.objects.filter(pk__in=chunk).delete()
 
 
-def real_flush(buffer: Buffer) -> flusher.FlushResult:
+def real_flush(buffer: Buffer) -> FlushResult:
     """The flush cron and Celery run, on the bench buffer, without pruning the shared ledger."""
-    return flusher.flush(
+    return flusher.flush_buffer(
         buffer,
         batch_size=conf.batch_size(),
         time_budget=3600.0,
@@ -89,7 +87,7 @@ def real_flush(buffer: Buffer) -> flusher.FlushResult:
 def flush_order(deltas: Mapping[int, int], batch_size: int, buffer: Buffer) -> list[list[int]]:
     """The keys of each batch the flush moves: per shard, ``batch_size`` at a time, in
     ``ZPOPMIN`` order (score, then member)."""
-    spec = get_spec(UNREAD_COUNTER)
+    spec = counters.get_spec(UNREAD_COUNTER)
     shards: dict[int, list[tuple[int, str, int]]] = defaultdict(list)
     for key, delta in deltas.items():
         member = spec.member(key)
@@ -108,7 +106,7 @@ def raw_batches(
 
     The batches are ``order`` (lists of keys), else ``batch_size`` keys at a time in key order.
     """
-    spec = get_spec(UNREAD_COUNTER)
+    spec = counters.get_spec(UNREAD_COUNTER)
     qn = connection.ops.quote_name
     table = qn(spec.model._meta.db_table)
     key = qn(column(spec.key_model_field))

@@ -2,11 +2,12 @@
 
 The old scheme (a marker key per push and shard, kept PUSH_MARKER_TTL_MS) is
 reproduced here as a reference: its PUSH_SCRIPT, unchanged. The new scheme is
-the real :meth:`counters.buffer.Buffer.push` with push ids from
-:mod:`counters.writers`. Both run side by side in one process, on prefixes of
-their own under the run's prefix, with the same pushes: ``threads`` threads,
-one delta each to one of ``members`` members. Each run is measured for ``n``
-and ``3n`` pushes: the old cost grows with the pushes, the new one stays flat.
+the real :meth:`counters.buffer.store.Buffer.push` with push ids from
+:mod:`counters.buffer.pushids` (both through :mod:`benchmarks.internals`). Both run
+side by side in one process, on prefixes of their own under the run's prefix, with
+the same pushes: ``threads`` threads, one delta each to one of ``members``
+members. Each run is measured for ``n`` and ``3n`` pushes: the old cost grows with
+the pushes, the new one stays flat.
 """
 
 from __future__ import annotations
@@ -16,13 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis import Redis
-
-from counters import writers
-from counters.buffer import PUSH_MARKER_TTL_MS, Buffer
-from counters.cluster import ClusterClient
-
 from .errors import BenchError
+from .internals import PUSH_MARKER_TTL_MS, Buffer, RedisClient, pushids
 
 #: The old PUSH_SCRIPT, as it was before writer ids: the reference implementation.
 OLD_PUSH_SCRIPT = """
@@ -60,7 +56,7 @@ class OldScheme:
 
     name = "old"
 
-    def __init__(self, client: Redis | ClusterClient, prefix: str, shards: int) -> None:
+    def __init__(self, client: RedisClient, prefix: str, shards: int) -> None:
         self.buffer = Buffer(client, prefix, shards)  # its keys and shard function
         self.script = client.register_script(OLD_PUSH_SCRIPT)
         self.idempotency_match = "push:*"
@@ -87,27 +83,27 @@ class NewScheme:
 
     name = "new"
 
-    def __init__(self, client: Redis | ClusterClient, prefix: str, shards: int) -> None:
+    def __init__(self, client: RedisClient, prefix: str, shards: int) -> None:
         self.buffer = Buffer(client, prefix, shards)
         self.idempotency_match = "w:*"
         self.writers: set[str] = set()
         self._lock = threading.Lock()
 
     def push(self, member: str) -> None:
-        push_id = writers.allocate()
+        push_id = pushids.allocate()
         try:
             changed = self.buffer.push({member: 1}, push_id)
         except BaseException:
-            writers.retire(push_id)
+            pushids.retire(push_id)
             raise
-        writers.release(push_id)
+        pushids.release(push_id)
         if not changed:
             raise BenchError(f"new push {push_id} refused")
         with self._lock:
             self.writers.add(push_id.writer)
 
 
-def _used_memory(client: Redis | ClusterClient) -> int:
+def _used_memory(client: RedisClient) -> int:
     """INFO memory used_memory, summed over the nodes of a cluster."""
     info = client.info("memory")
     if "used_memory" in info:
@@ -115,7 +111,7 @@ def _used_memory(client: Redis | ClusterClient) -> int:
     return sum(int(v["used_memory"]) for v in info.values() if isinstance(v, dict))
 
 
-def _keys(client: Redis | ClusterClient, buffer: Buffer, name: str) -> list[str]:
+def _keys(client: RedisClient, buffer: Buffer, name: str) -> list[str]:
     return [
         k.decode() if isinstance(k, bytes) else k
         for shard in range(buffer.shards)
@@ -123,7 +119,7 @@ def _keys(client: Redis | ClusterClient, buffer: Buffer, name: str) -> list[str]
     ]
 
 
-def _bytes(client: Redis | ClusterClient, keys: list[str]) -> int:
+def _bytes(client: RedisClient, keys: list[str]) -> int:
     total = 0
     for i in range(0, len(keys), 1000):
         pipe = client.pipeline(transaction=False)
@@ -133,7 +129,7 @@ def _bytes(client: Redis | ClusterClient, keys: list[str]) -> int:
     return total
 
 
-def _delete(client: Redis | ClusterClient, keys: list[str]) -> None:
+def _delete(client: RedisClient, keys: list[str]) -> None:
     for i in range(0, len(keys), 500):
         pipe = client.pipeline(transaction=False)
         for key in keys[i : i + 500]:
@@ -203,7 +199,7 @@ def _run(scheme: OldScheme | NewScheme, pushes: int, threads: int, members: int)
 
 
 def measure(
-    client: Redis | ClusterClient,
+    client: RedisClient,
     prefix: str,
     shards: int,
     pushes: int,

@@ -11,7 +11,7 @@ from .child import ChildContext, peak_rss_kb
 from .errors import BenchError
 
 if TYPE_CHECKING:
-    from counters.buffer import Buffer
+    from .internals import Buffer
 
 
 class FlusherFailed(BenchError):

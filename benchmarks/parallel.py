@@ -2,8 +2,8 @@
 
 Each flusher is what a Celery worker running ``counters.flush_shards`` is: a
 spawned process with its own database connection and Redis client, running
-``counters.fanout.flush_part`` on the shards of its part
-(``counters.fanout.partition``). The Celery transport is left out: sending N
+``counters.ops.fanout.flush_part`` on the shards of its part
+(``counters.ops.fanout.partition``). The Celery transport is left out: sending N
 tasks costs milliseconds a run.
 
 The processes are started and set up once, before any clock runs. One
@@ -29,7 +29,7 @@ from .child import ChildContext
 from .errors import BenchError
 
 if TYPE_CHECKING:
-    from counters.buffer import Buffer
+    from .internals import Buffer
 
 #: Seconds between sending a measurement to the flushers and its start in all of them.
 START_DELAY = 0.1
@@ -65,9 +65,9 @@ def flusher_main(conn: Connection, context: ChildContext) -> None:
         from django.db import DEFAULT_DB_ALIAS, connection
 
         import counters
-        from counters.fanout import flush_part
 
         from . import flush as bench_flush
+        from .internals import flush_part
 
         connection.ensure_connection()
         counters.get_buffer().client.ping()
@@ -158,10 +158,8 @@ def measure(
     rounds: int,
 ) -> dict:
     """Median keys/s of the flush with each number of ``workers``, over ``rounds`` rounds."""
-    from counters import conf
-    from counters.fanout import partition
-
     from . import flush
+    from .internals import conf, partition
 
     deltas = flush.random_deltas(keys, seed=len(keys))
     seconds: dict[int, list[float]] = {n: [] for n in workers}

@@ -6,14 +6,17 @@ import os
 import platform
 import sqlite3
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import django
 from django.db import connection
-from redis import Redis
 
-from counters.cluster import ClusterClient
+from .writes_report import load_text as _load
+from .writes_report import writes_table
+
+if TYPE_CHECKING:
+    from .internals import RedisClient
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ def redis_nodes(url: str) -> list[str]:
     return nodes
 
 
-def machine(client: Redis | ClusterClient) -> dict:
+def machine(client: RedisClient) -> dict:
     return {
         "nproc": os.cpu_count(),
         "memory_mb": _memory_mb(),
@@ -117,7 +120,7 @@ def render(results: dict) -> str:
     if results["debug"]:
         lines.append("note: DEBUG is on, so every query is logged; publish with DEBUG=0")
     if "writes" in results:
-        lines += ["", *_writes_table(results["writes"], cfg)]
+        lines += ["", *writes_table(results["writes"], cfg)]
     if "flush" in results:
         f = results["flush"]
         lines += [
@@ -193,64 +196,3 @@ def render(results: dict) -> str:
                 f"{'met' if t['met'] else 'NOT MET'}"
             )
     return "\n".join(lines)
-
-
-def _writes_table(w: dict, cfg: dict) -> list[str]:
-    """One row per (writer count, workload): ops/s, ratios, latency, Redis per push."""
-    by_count = w.get("by_processes") or {str(cfg["processes"]): w}
-    lines = [
-        f"writes: ops/s by writer processes, median of {cfg['rounds']} interleaved rounds of "
-        f"{cfg['seconds']}s; latency of one insert (ms, p50 / p99, every operation); "
-        "Redis server CPU per tally insert and EVALSHA calls per commit",
-        f"{'procs':<6}{'workload':<9}{'off':>8}{'naive':>8}{'tally':>8}"
-        f"{'tally/off':>10}{'tally/naive':>12}  {'off p50/p99':>13}  {'naive p50/p99':>13}  "
-        f"{'tally p50/p99':>13}{'redis µs/push':>14}{'evalsha/commit':>15}   load",
-    ]
-    for count, result in by_count.items():
-        for name in ("spread", "hot"):
-            r = result[name]
-            lat = "".join(
-                f"  {r.get(f'{m}_p50_ms', 0):>6.2f}/{r.get(f'{m}_p99_ms', 0):<6.2f}"
-                for m in ("off", "naive", "tally")
-            )
-            lines.append(
-                f"{count:<6}{name:<9}{r['off_ops_per_s']:>8.0f}{r['naive_ops_per_s']:>8.0f}"
-                f"{r['tally_ops_per_s']:>8.0f}{r['tally_off']:>10.2f}{r['tally_naive']:>12.2f}"
-                f"{lat}{r.get('redis_cpu_us_per_push', 0):>14.1f}"
-                f"{r.get('evalsha_per_commit', 0):>15.2f}   {_load(result.get('load', w['load']))}"
-            )
-    extra = [m for m in EXTRA_MODES if f"{m}_ops_per_s" in next(iter(by_count.values()))["hot"]]
-    if extra:
-        lines += [
-            "",
-            "other write paths, measured in the same rounds (sender: COUNTERS_SEND_DELAY_MS "
-            f"{w.get('send_delay_ms', 0):g}):",
-            f"{'procs':<6}{'workload':<9}{'mode':<9}{'ops/s':>8}{'/off':>7}{'/tally':>8}"
-            f"  {'p50/p99 ms':>13}{'redis µs/push':>14}{'evalsha/commit':>15}",
-        ]
-        for count, result in by_count.items():
-            for name in ("spread", "hot"):
-                r = result[name]
-                for mode in extra:
-                    cpu = r.get(f"{mode}_redis_cpu_us_per_push")
-                    calls = r.get(f"{mode}_evalsha_per_commit")
-                    server = (
-                        f"{cpu:>14.1f}{calls:>15.2f}"
-                        if cpu is not None and calls is not None
-                        else f"{'-':>14}{'-':>15}"
-                    )
-                    lines.append(
-                        f"{count:<6}{name:<9}{mode:<9}{r[f'{mode}_ops_per_s']:>8.0f}"
-                        f"{r[f'{mode}_off']:>7.2f}{r[f'{mode}_tally']:>8.2f}"
-                        f"  {r.get(f'{mode}_p50_ms', 0):>6.2f}/{r.get(f'{mode}_p99_ms', 0):<6.2f}"
-                        f"{server}"
-                    )
-    return lines
-
-
-#: Write modes beside off / naive / tally, each shown as its ratio to off and to tally.
-EXTRA_MODES = ("durable", "sender")
-
-
-def _load(values: list[float]) -> str:
-    return " ".join(f"{v:.2f}" for v in values)

@@ -10,17 +10,17 @@ from typing import cast
 
 from django.conf import settings
 from django.test.utils import override_settings
-from redis import Redis, RedisError
+from redis import RedisError
 
 import counters
-from counters import conf
-from counters.buffer import Buffer
-from counters.cluster import ClusterClient
 
-from . import data, flush, idempotency, memory, parallel, reads, report, writers
+from . import data, flush, idempotency, memory, parallel, reads, report, rounds, trigger
 from .child import ChildContext
 from .config import BenchConfig
 from .errors import BenchError
+from .internals import Buffer, RedisClient, conf
+from .probes import BackendCpu, CostProbe, RedisProbe
+from .writers import MODES, WriterPool
 
 
 def pending_total(buffer: Buffer) -> int:
@@ -35,50 +35,101 @@ def pending_total(buffer: Buffer) -> int:
     return total
 
 
+def _writes_at(
+    processes: int,
+    config: BenchConfig,
+    users: list[int],
+    modes: tuple[str, ...],
+    redis: RedisProbe,
+    counter_trigger: trigger.CounterTrigger | None,
+    progress: Callable[[str], None],
+) -> tuple[dict, WriterPool]:
+    """The writes with ``processes`` writers: the figures, and the (closed) pool."""
+    from django.db import connection
+
+    progress(f"writes: starting {processes} writer processes")
+    pool = WriterPool(
+        processes,
+        ChildContext.from_parent(),
+        users[: config.spread_users],
+        users[0],
+        timeout=60,
+        send_delay_ms=config.send_delay_ms,
+    )
+    try:
+        progress(
+            f"writes: measuring {' / '.join(modes)} ({config.send_delay_ms:g} ms), "
+            f"spread and hot, interleaved, {processes} writers"
+        )
+        backend = BackendCpu(pool.backend_pids, connection.settings_dict.get("HOST") or "")
+        if backend.reason is not None:
+            progress(f"writes: backend CPU n/a: {backend.reason}")
+        probes = rounds.Probes(CostProbe(backend), redis, counter_trigger)
+        result = rounds.measure(pool, modes, config.rounds, config.seconds, config.warmup, probes)
+    finally:
+        pool.close()
+    result["processes"] = processes
+    result["send_delay_ms"] = config.send_delay_ms
+    result["backend_cpu_na"] = backend.reason
+    result["load"] = report.load()
+    return result, pool
+
+
 def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
     """The writes at each writer count; the figures of the largest at the top level."""
-    context = ChildContext.from_parent()
-    probe = writers.RedisProbe(buffer.client)
+    skipped = trigger.unsupported()
+    counter_trigger = None
+    if skipped is None:
+        counter_trigger = trigger.CounterTrigger(buffer.prefix, users[: config.spread_users])
+        for name in trigger.drop_leftovers():
+            progress(f"writes: dropped trigger {name}, left by a bench killed during its run")
+    else:
+        progress(f"writes: {skipped}")
+    modes = tuple(m for m in MODES if m != "trigger" or counter_trigger is not None)
+    redis = RedisProbe(buffer.client)
     by_count: dict[str, dict] = {}
-    tally_ops = durable_ops = 0
+    ops = dict.fromkeys(MODES, 0)
     for processes in config.writer_counts():
-        progress(f"writes: starting {processes} writer processes")
-        pool = writers.WriterPool(
-            processes,
-            context,
-            users[: config.spread_users],
-            users[0],
-            timeout=60,
-            send_delay_ms=config.send_delay_ms,
+        figures, pool = _writes_at(
+            processes, config, users, modes, redis, counter_trigger, progress
         )
-        try:
-            progress(
-                "writes: measuring off / naive / tally / durable / sender "
-                f"({config.send_delay_ms:g} ms), spread and hot, interleaved, {processes} writers"
-            )
-            result = writers.measure(pool, config.rounds, config.seconds, config.warmup, probe)
-        finally:
-            pool.close()
-        result["processes"] = processes
-        result["send_delay_ms"] = config.send_delay_ms
-        result["load"] = report.load()
-        by_count[str(processes)] = result
-        tally_ops += pool.ops["tally"]
-        durable_ops += pool.ops["durable"] + pool.ops["sender"]
+        by_count[str(processes)] = figures
+        ops = {mode: n + pool.ops[mode] for mode, n in ops.items()}
+    result = dict(by_count[str(max(config.writer_counts()))])
+    result["by_processes"] = by_count
+    _checks(result, buffer, ops, counter_trigger, skipped)
+    return result
+
+
+def _checks(
+    result: dict,
+    buffer: Buffer,
+    ops: dict[str, int],
+    counter_trigger: trigger.CounterTrigger | None,
+    skipped: str | None,
+) -> None:
+    """Every counted insert was counted once: in Redis (tally, durable, sender), no outbox
+    row left; by the trigger, each user's row grew by that user's unread inserts."""
     from counters.models import Outbox
 
     pending = pending_total(buffer)
-    result = dict(by_count[str(max(config.writer_counts()))])
-    result["by_processes"] = by_count
-    result["tally_ops"] = tally_ops
-    result["durable_ops"] = durable_ops
+    result["tally_ops"] = ops["tally"]
+    result["durable_ops"] = ops["durable"] + ops["sender"]
     result["tally_pending_deltas"] = pending
-    # Every counted insert (tally and durable) is in Redis, once; no outbox row is left.
     result["outbox_rows_left"] = Outbox.objects.count()
     result["tally_deltas_match"] = (
-        pending == tally_ops + durable_ops and result["outbox_rows_left"] == 0
+        pending == ops["tally"] + ops["durable"] + ops["sender"] and result["outbox_rows_left"] == 0
     )
-    return result
+    if counter_trigger is None:
+        result["trigger_skipped"] = skipped
+        return
+    result["trigger_ops"] = ops["trigger"]
+    result["trigger_counted_rows"] = counter_trigger.rows
+    result["trigger_users_off"] = counter_trigger.users_off
+    result["trigger_counts_exact"] = (
+        counter_trigger.users_off == 0 and counter_trigger.rows == ops["trigger"] > 0
+    )
+    result["trigger_left_installed"] = counter_trigger.installed()
 
 
 def _flush(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
@@ -149,7 +200,7 @@ def _database_ready() -> None:
         raise BenchError(f"unapplied migrations ({names}{more}): run manage.py migrate first")
 
 
-def _client_ready(buffer: Buffer) -> Redis | ClusterClient:
+def _client_ready(buffer: Buffer) -> RedisClient:
     try:
         buffer.client.ping()
     except RedisError as exc:
@@ -212,8 +263,12 @@ def run(
                     results[name] = section
                     data.clear_pending(buffer)
         finally:
-            progress("cleanup: bench users and their rows, ledger and epoch rows, Redis keys")
+            progress(
+                "cleanup: Redis keys, the trigger if a failure left it, bench users and "
+                "their rows, ledger and epoch rows"
+            )
             data.delete_prefix(client, prefix)
+            trigger.remove(prefix)
             flush.delete_ledger_rows(batch_ids)
             data.delete_epochs(prefix)
             data.delete_bench_data(prefix)

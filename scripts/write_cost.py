@@ -67,8 +67,8 @@ def main() -> int:
     from django.contrib.auth import get_user_model
     from django.db import connection
 
+    import counters
     from benchmarks.writers import DURABLE, operations
-    from counters import flush, sender
     from notifications.models import Notification
 
     if connection.vendor != "postgresql":
@@ -96,19 +96,19 @@ def main() -> int:
             op = ops[mode]
             for _ in range(50):  # warm up the mode's code paths and caches
                 op(user.pk)
-            sender.push_queued()
+            counters.push_queued()
             before = clocks()
             for _ in range(args.inserts):
                 op(user.pk)
-            sender.push_queued()
+            counters.push_queued()
             after = clocks()
             spent = (b - a for a, b in zip(before, after, strict=True))
             results[mode].append(tuple(t / args.inserts for t in spent))
-        flush()
+        counters.flush()
     settings.COUNTERS_SEND_DELAY_MS = 0
     settings.COUNTERS_DURABLE = False
     Notification.objects.filter(recipient=user).delete()
-    flush()
+    counters.flush()
 
     def us(values: list[float]) -> float:
         return statistics.median(values) * 1e6

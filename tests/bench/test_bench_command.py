@@ -11,10 +11,12 @@ import os
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
 
 import counters
+from benchmarks import trigger
 from benchmarks.report import TARGETS
-from counters import conf
+from counters.base import conf
 from counters.models import BufferEpoch, FlushBatch
 from tests.procs import database_url, project_env, run_manage
 
@@ -22,28 +24,24 @@ from tests.procs import database_url, project_env, run_manage
 pytestmark = pytest.mark.django_db
 
 WORKLOADS = ("spread", "hot")
+POSTGRES = connection.vendor == "postgresql"
+#: The write modes of a run on this database (the trigger needs PostgreSQL).
+MODES = ("off", "naive", *(("trigger",) if POSTGRES else ()), "tally", "durable", "sender")
+#: Ratios of a run: those of the trigger on PostgreSQL only.
+RATIOS = (
+    *("tally_off", "tally_naive", "durable_off", "durable_tally", "sender_off", "sender_tally"),
+    *(("trigger_off", "tally_trigger") if POSTGRES else ()),
+)
+#: Per-insert costs measured only on PostgreSQL (backend CPU: when the server is local).
+SERVER_COSTS = ("backend_cpu_us", "wal_bytes")
 FIGURES = [
     ("machine", "nproc"),
     ("machine", "memory_mb"),
-    *[
-        ("writes", w, f"{m}_ops_per_s")
-        for w in WORKLOADS
-        for m in ("off", "naive", "tally", "durable", "sender")
-    ],
-    *[
-        ("writes", w, ratio)
-        for w in WORKLOADS
-        for ratio in (
-            *("tally_off", "tally_naive", "durable_off", "durable_tally"),
-            *("sender_off", "sender_tally"),
-        )
-    ],
-    *[
-        ("writes", w, f"{m}_{p}_ms")
-        for w in WORKLOADS
-        for m in ("off", "naive", "tally", "durable", "sender")
-        for p in ("p50", "p99")
-    ],
+    *[("writes", w, f"{m}_ops_per_s") for w in WORKLOADS for m in MODES],
+    *[("writes", w, ratio) for w in WORKLOADS for ratio in RATIOS],
+    *[("writes", w, f"{m}_{p}_ms") for w in WORKLOADS for m in MODES for p in ("p50", "p99")],
+    *[("writes", w, f"{m}_writer_cpu_us") for w in WORKLOADS for m in MODES],
+    *[("writes", w, f"{m}_wal_bytes") for w in WORKLOADS for m in MODES if POSTGRES],
     *[
         ("writes", w, f)
         for w in WORKLOADS
@@ -127,10 +125,41 @@ def test_quick_json_checks_and_targets(quick_run):
 
 
 @pytest.mark.redis
+def test_quick_json_trigger_mode_counts_exactly_or_says_why_it_was_skipped(quick_run):
+    writes = quick_run[0]["writes"]
+    if not POSTGRES:
+        assert writes["trigger_skipped"] == trigger.unsupported()
+        assert "trigger_ops_per_s" not in writes["hot"] and "trigger_ops" not in writes
+        for w in WORKLOADS:
+            for m in MODES:
+                assert [writes[w][f"{m}_{c}"] for c in SERVER_COSTS] == [None, None]
+        return
+    assert writes["trigger_ops"] > 0
+    assert writes["trigger_counted_rows"] == writes["trigger_ops"]  # every insert was unread
+    assert writes["trigger_users_off"] == 0
+    assert writes["trigger_counts_exact"] is True
+    assert writes["trigger_left_installed"] is False
+    # Backend CPU: a number when the server is on this machine, else None with the reason.
+    for w in WORKLOADS:
+        for m in MODES:
+            value = writes[w][f"{m}_backend_cpu_us"]
+            if writes["backend_cpu_na"] is None:
+                assert isinstance(value, float) and value >= 0
+            else:
+                assert value is None
+
+
+@pytest.mark.redis
 def test_bench_leaves_no_data_behind(quick_run):
     data, before, after = quick_run
     assert data["key_prefix"].startswith("bench-")
     assert after == {"users": 0, "epochs": 0, "ledger": before["ledger"], "redis": 0}
+    if POSTGRES:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_trigger WHERE tgname LIKE %s", [trigger.NAME_PATTERN]
+            )
+            assert cursor.fetchone()[0] == 0
 
 
 @pytest.mark.parametrize(
@@ -293,9 +322,20 @@ def test_processes_sweep_prints_one_table_with_a_row_per_count_and_workload(swee
     _, table = sweep_run
     lines = table.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("procs"))
-    assert "tally/off" in lines[header] and "tally p50/p99" in lines[header]
+    for column in ("trigger", "tally/off", "trigger/off", "tally/trigger"):
+        assert column in lines[header].split()
+    assert "tally p50/p99" in lines[header]
     rows = [line.split()[:2] for line in lines[header + 1 : header + 5]]
     assert rows == [["1", "spread"], ["1", "hot"], ["2", "spread"], ["2", "hot"]]
+    costs = next(i for i, line in enumerate(lines) if line.startswith("cost per insert"))
+    assert lines[costs + 1].split()[4:] == list(MODES)
+    # procs (6 wide), workload (9), the figure (16), then one column per mode
+    labels = [line[15:31].strip() for line in lines[costs + 2 :] if line[:1].isdigit()]
+    assert labels[:12] == ["writer CPU µs", "backend CPU µs", "WAL bytes"] * 4
+    if POSTGRES:
+        assert any(line.startswith("trigger: ") and line.endswith(": yes") for line in lines)
+    else:
+        assert f"note: {trigger.unsupported()}" in lines
 
 
 def test_percentile_is_the_nearest_rank():

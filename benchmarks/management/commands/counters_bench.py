@@ -1,4 +1,4 @@
-"""Measure the unread counter: writes (off / naive / tally), flush, reads and memory.
+"""Measure the unread counter: writes (off / naive / trigger / tally), flush, reads and memory.
 
 Prints a table, or ``--json``; exits non-zero with one readable line on bad
 arguments or when Redis or the database cannot be reached.
@@ -13,14 +13,15 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import DatabaseError
 from redis import RedisError
 
+import counters
 from benchmarks.config import SECTIONS, BenchConfig
-from counters.exceptions import CountersError
-from counters.utils import first_line
+from benchmarks.internals import first_line
 
 
 class Command(BaseCommand):
     help = (
-        "Benchmark notification writes with no counter, a naive counter and Tally; "
+        "Benchmark notification writes with no counter, a naive counter, a PostgreSQL trigger "
+        "and Tally, with the writer CPU, backend CPU and WAL of each insert; "
         "the flush against raw SQL; the flush with 1, 2 and 4 flushers; get_count against "
         "COUNT(*); the flusher's memory; the Redis memory of idempotency, old scheme against new."
     )
@@ -161,7 +162,7 @@ class Command(BaseCommand):
             )
         except BenchError as exc:
             raise CommandError(str(exc)) from exc
-        except CountersError as exc:
+        except counters.CountersError as exc:
             raise CommandError(first_line(exc)) from exc
         except RedisError as exc:
             raise CommandError(f"Redis error: {first_line(exc)}") from exc

@@ -1,0 +1,47 @@
+"""The internal parts of ``counters`` that the benchmarks drive directly.
+
+Everything else the benchmarks use goes through ``import counters`` (model
+classes through ``counters.models``, where Django puts them). What is here is
+not API: measuring the flush against a raw SQL bound, the Redis memory of push
+ids, or several flusher processes on disjoint shards means driving that part
+itself, on a buffer and prefix of the benchmark's own, with a flush that leaves
+the shared ledger alone; no public function does that, nor should. This
+module is the only place outside ``counters/`` and ``tests/`` that imports
+them (``tests/app/test_front.py`` checks it), so a move inside ``counters/``
+is followed here once.
+"""
+
+from __future__ import annotations
+
+from redis import Redis
+
+from counters.base import conf
+from counters.base.utils import batched, column, first_line, model_field
+from counters.buffer import pushids
+from counters.buffer.cluster import ClusterClient
+from counters.buffer.store import PUSH_MARKER_TTL_MS, Buffer
+from counters.flushing import shard
+from counters.flushing.result import FlushResult
+from counters.ops.fanout import flush_part, partition
+from counters.write.apply import CHUNK
+
+#: A Redis client as ``counters.get_client()`` returns it: one server or a cluster.
+RedisClient = Redis | ClusterClient
+
+__all__ = [
+    "CHUNK",
+    "PUSH_MARKER_TTL_MS",
+    "Buffer",
+    "ClusterClient",
+    "FlushResult",
+    "RedisClient",
+    "batched",
+    "column",
+    "conf",
+    "first_line",
+    "flush_part",
+    "model_field",
+    "partition",
+    "pushids",
+    "shard",
+]

@@ -1,0 +1,134 @@
+"""Interleaved rounds of every (workload, mode): rates, ratios, latency and the cost per insert."""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+from .probes import Cost, CostProbe, RedisProbe, RedisUsage
+from .trigger import CounterTrigger
+from .writers import WORKLOADS, WriterPool, percentile
+
+#: Modes whose runs the Redis probe samples.
+SAMPLED = ("tally", "sender")
+#: Ratios of ops/s, each the median of its per-round ratios: (numerator, denominator).
+RATIOS = (
+    ("tally", "off"),
+    ("tally", "naive"),
+    ("trigger", "off"),
+    ("tally", "trigger"),
+    ("durable", "off"),
+    ("durable", "tally"),
+    ("sender", "off"),
+    ("sender", "tally"),
+)
+
+
+@dataclass(frozen=True)
+class Probes:
+    """What is sampled around the runs besides their rate."""
+
+    costs: CostProbe
+    redis: RedisProbe | None = None
+    #: The trigger of the ``trigger`` mode, installed around each of its runs.
+    trigger: CounterTrigger | None = None
+
+
+@dataclass
+class Kept:
+    """What the recorded runs of one (workload, mode) add up to."""
+
+    rates: list[float]
+    cost: Cost
+    redis: RedisUsage
+
+
+def run_once(
+    pool: WriterPool, mode: str, workload: str, seconds: float, probes: Probes, kept: Kept | None
+) -> float:
+    """One run of every writer, the trigger installed around it in ``trigger`` mode; ops/s.
+
+    ``kept`` (None for warm-up runs) receives the rate, the cost and the Redis usage.
+    """
+    installed: AbstractContextManager[None] = nullcontext()
+    if mode == "trigger":
+        if probes.trigger is None:
+            raise ValueError("the trigger mode needs the trigger")
+        installed = probes.trigger.counting()
+    with installed:
+        redis = probes.redis if kept is not None and mode in SAMPLED else None
+        server = redis.sample() if redis is not None else None
+        before = probes.costs.sample()
+        totals = pool.run(mode, workload, seconds, record=kept is not None)
+        after = probes.costs.sample()
+        if kept is not None:
+            kept.rates.append(totals.rate)
+            kept.cost.add(totals.ops, totals.cpu_s, before, after)
+            if redis is not None and server is not None:
+                kept.redis.add(server, redis.sample(), totals.ops)
+    return totals.rate
+
+
+def measure(
+    pool: WriterPool,
+    modes: tuple[str, ...],
+    rounds: int,
+    seconds: float,
+    warmup: float,
+    probes: Probes,
+) -> dict:
+    """Interleaved rounds of every (workload, mode); median ops/s and ratios per workload.
+
+    The order of the modes rotates from round to round. A ratio is the median of
+    the per-round ratios: the runs of one round are adjacent in time, so they
+    share whatever else the machine was doing. The p50 and p99 latency of one
+    operation are over every operation of every writer in every round; the cost
+    per insert (writer CPU, backend CPU, WAL) over every recorded run.
+    """
+    if warmup > 0:
+        for workload in WORKLOADS:
+            for mode in modes:
+                run_once(pool, mode, workload, warmup, probes, None)
+    kept = {(w, m): Kept([], Cost(), RedisUsage()) for w in WORKLOADS for m in modes}
+    for r in range(rounds):
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
+        for workload in WORKLOADS:
+            for mode in order:
+                run_once(pool, mode, workload, seconds, probes, kept[(workload, mode)])
+    return {
+        workload: _figures(pool, workload, modes, kept, probes.redis is not None)
+        for workload in WORKLOADS
+    }
+
+
+def _figures(
+    pool: WriterPool,
+    workload: str,
+    modes: tuple[str, ...],
+    kept: dict[tuple[str, str], Kept],
+    redis: bool,
+) -> dict:
+    rates = {mode: kept[(workload, mode)].rates for mode in modes}
+    figures: dict = {
+        f"{mode}_ops_per_s": round(statistics.median(v), 1) for mode, v in rates.items()
+    }
+    for top, bottom in RATIOS:
+        if top in rates and bottom in rates:
+            figures[f"{top}_{bottom}"] = round(_ratio(rates[top], rates[bottom]), 3)
+    for mode in modes:
+        latencies = pool.latencies.get((workload, mode), [])
+        figures[f"{mode}_p50_ms"] = round(percentile(latencies, 0.50) * 1000, 3)
+        figures[f"{mode}_p99_ms"] = round(percentile(latencies, 0.99) * 1000, 3)
+    for mode in modes:
+        figures.update(kept[(workload, mode)].cost.figures(mode))
+    if redis:
+        figures.update(kept[(workload, "tally")].redis.figures())
+        sender = kept[(workload, "sender")].redis.figures()
+        figures.update({f"sender_{k}": v for k, v in sender.items()})
+    figures["rounds"] = {mode: [round(v, 1) for v in values] for mode, values in rates.items()}
+    return figures
+
+
+def _ratio(numerators: list[float], denominators: list[float]) -> float:
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
