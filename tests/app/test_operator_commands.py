@@ -179,11 +179,13 @@ def test_an_unexpected_error_in_a_command_is_one_line(command, target, caplog):
 @pytest.mark.redis
 def test_a_failed_shard_shows_in_the_flush_json_and_in_the_status(settings, make_user):
     settings.COUNTERS_SHARDS = 2
+    buffer = get_buffer()
     users = [make_user() for _ in range(6)]
+    broken = buffer.shard_of(f"unread:{users[0].pk}")
+    while all(buffer.shard_of(f"unread:{u.pk}") == broken for u in users):
+        users[-1] = make_user()  # some user in the healthy shard too, whatever the pks
     for user in users:
         Notification.objects.create(recipient=user, verb="v")
-    buffer = get_buffer()
-    broken = buffer.shard_of(f"unread:{users[0].pk}")
     real = flusher.apply_batch
 
     def locked(batch, using, result):
