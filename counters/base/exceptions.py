@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.core.exceptions import ImproperlyConfigured
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
 def _capped(text: str, limit: int = 100) -> str:
@@ -43,9 +45,6 @@ def redis_failure(url: str, cause: BaseException) -> str:
     (``WRONGTYPE``, ``OOM``, ``READONLY``, ``NOSCRIPT`` ...) means Redis
     answered, and says so; anything else is a "Redis error".
     """
-    from redis.exceptions import ResponseError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
     if isinstance(cause, (RedisConnectionError, RedisTimeoutError)):
         return f"Redis unreachable at {url}: {cause}"
     if isinstance(cause, ResponseError):
@@ -61,8 +60,6 @@ class BufferUnavailable(CountersError):
     """
 
     def __init__(self, url: str, cause: BaseException) -> None:
-        from redis.exceptions import TimeoutError as RedisTimeoutError
-
         self.url = url
         self.cause = cause
         self.reachable = not isinstance(cause, (RedisConnectionError, RedisTimeoutError))
