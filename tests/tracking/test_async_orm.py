@@ -117,9 +117,8 @@ def test_async_write_is_counted_exactly(path):
 
     async def write_then_read() -> dict:
         await path(p1, p2)
-        return {
-            (name, p.pk): await counters.aget_value(name, p.pk) for name in COUNTERS for p in (p1, p2)
-        }
+        keys = [(name, p.pk) for name in COUNTERS for p in (p1, p2)]
+        return {(name, pk): await counters.aget_value(name, pk) for name, pk in keys}
 
     read = in_loop(write_then_read)
     expected = {(name, p.pk): truth(name, p) for name in COUNTERS for p in (p1, p2)}
