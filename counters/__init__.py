@@ -59,6 +59,7 @@ if TYPE_CHECKING:
         RepairFenced,
         ScoreLimitExceeded,
         StalePush,
+        TrackedTooEarly,
         TrackingError,
         UnexpectedScriptReply,
         UnknownCounter,
@@ -118,6 +119,7 @@ _EXPORTS: dict[str, str] = {
     "RebuildRunning": "counters.base.exceptions",
     "RepairFenced": "counters.base.exceptions",
     "TrackingError": "counters.base.exceptions",
+    "TrackedTooEarly": "counters.base.exceptions",
     "LayoutChangePending": "counters.base.exceptions",
 }
 
@@ -136,6 +138,7 @@ __all__ = [
     "RepairFenced",
     "ScoreLimitExceeded",
     "StalePush",
+    "TrackedTooEarly",
     "TrackingError",
     "UnexpectedScriptReply",
     "UnknownCounter",
