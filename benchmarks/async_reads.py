@@ -77,8 +77,10 @@ class NativeRead:
             pending, inflight, quarantined = buffered[member]
             if ids.get(buffer.shard_of(member)) in rows.applied:
                 inflight = 0
-            total = pending + inflight + quarantined + own.get(member, 0)
-            values[key] = rows.stored.get(value, 0) + total
+            total = rows.stored.get(value, 0) + pending + inflight + quarantined
+            total += own.get(member, 0)
+            # as the sync read's clamp shows it (which also queues the key for repair)
+            values[key] = max(0, total) if spec.non_negative else total
         return values
 
     @staticmethod
