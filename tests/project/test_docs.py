@@ -204,8 +204,9 @@ def test_the_readme_is_a_pitch_a_quick_start_and_links():
 
 
 def test_the_readme_first_tells_an_existing_project_what_to_do():
-    first = README[README.index("\n## ") :]
-    first = section(first.split("\n", 2)[1].removeprefix("## "))
+    match = re.search(r"^## (.+)$", README, re.M)
+    assert match is not None
+    first = section(match[1])
     for step in (
         "pip install django-tally",
         '"counters"',  # INSTALLED_APPS
