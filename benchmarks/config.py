@@ -7,7 +7,7 @@ from typing import Any
 
 #: ``COUNTERS_SEND_DELAY_MS`` of the ``sender`` write mode by default, in milliseconds.
 SENDER_DELAY_MS = 5.0
-SECTIONS = ("writes", "flush", "parallel", "reads", "memory", "idempotency")
+SECTIONS = ("writes", "flush", "parallel", "reads", "async", "memory", "idempotency")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class BenchConfig:
     read_notifications: int = 1_000_000
     read_unread: int = 10_000
     read_samples: int = 200
+    #: Keys of the async reads, reads per run, tasks at once, and interleaved rounds.
+    async_keys: int = 100
+    async_reads: int = 4_000
+    async_concurrency: tuple[int, ...] = (1, 8, 32)
+    async_rounds: int = 5
     memory_small: int = 10_000
     memory_large: int = 1_000_000
     #: Pushes of the idempotency section per scheme (then three times as many), and its threads.
@@ -62,6 +67,10 @@ class BenchConfig:
             read_notifications=20_000,
             read_unread=1_000,
             read_samples=20,
+            async_keys=10,
+            async_reads=64,
+            async_concurrency=(1, 8),
+            async_rounds=1,
             memory_small=500,
             memory_large=5_000,
             idem_pushes=2_000,
@@ -84,6 +93,8 @@ class BenchConfig:
             sizes.append(self.parallel_keys)
         if "reads" in sections:
             sizes.append(self.spread_users)
+        if "async" in sections:
+            sizes.append(self.async_keys)
         if "memory" in sections:
             sizes.append(self.memory_large)
         return max(sizes)

@@ -3,9 +3,10 @@
 Everything else the benchmarks use goes through ``import counters`` (model
 classes through ``counters.models``, where Django puts them). What is here is
 not API: measuring the flush against a raw SQL bound, the Redis memory of push
-ids, or several flusher processes on disjoint shards means driving that part
-itself, on a buffer and prefix of the benchmark's own, with a flush that leaves
-the shared ledger alone; no public function does that, nor should. This
+ids, several flusher processes on disjoint shards, or a read of another design
+(the native async read of ``async_reads.py``) means driving that part itself,
+on a buffer and prefix of the benchmark's own, with a flush that leaves the
+shared ledger alone; no public function does that, nor should. This
 module is the only place outside ``counters/`` and ``tests/`` that imports
 them (``tests/app/test_front.py`` checks it), so a move inside ``counters/``
 is followed here once.
@@ -16,14 +17,17 @@ from __future__ import annotations
 from redis import Redis
 
 from counters.base import conf
-from counters.base.utils import batched, column, first_line, model_field
+from counters.base.utils import batched, column, first_line, model_field, to_str
 from counters.buffer import pushids
 from counters.buffer.cluster import ClusterClient
+from counters.buffer.keyspace import int_reply
 from counters.buffer.store import PUSH_MARKER_TTL_MS, Buffer
 from counters.flushing import shard
 from counters.flushing.result import FlushResult
 from counters.ops.fanout import flush_part, partition
+from counters.read.values import _read_rows as read_rows
 from counters.write.apply import CHUNK
+from counters.write.transactions import unsent
 
 #: A Redis client as ``counters.get_client()`` returns it: one server or a cluster.
 RedisClient = Redis | ClusterClient
@@ -40,8 +44,12 @@ __all__ = [
     "conf",
     "first_line",
     "flush_part",
+    "int_reply",
     "model_field",
     "partition",
     "pushids",
+    "read_rows",
     "shard",
+    "to_str",
+    "unsent",
 ]

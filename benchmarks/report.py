@@ -110,6 +110,20 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _async_lines(a: dict) -> list[str]:
+    designs = a["designs"]
+    counts = list(next(iter(designs.values())))
+    lines = [
+        f"async reads: {a['keys']} keys, {a['reads']:,} reads a run, median of {a['rounds']} "
+        f"rounds, exact {a['exact']}   (load {_load(a['load'])})",
+        f"{'design':<8}" + "".join(f"{c + ' tasks: reads/s, CPU us/read':>36}" for c in counts),
+    ]
+    for name, by_count in designs.items():
+        cells = [f"{f['reads_per_s']:>24,}{f['cpu_us_per_read']:>12,}" for f in by_count.values()]
+        lines.append(f"{name:<8}" + "".join(cells))
+    return lines
+
+
 def render(results: dict) -> str:
     m = results["machine"]
     cfg = results["config"]
@@ -157,6 +171,8 @@ def render(results: dict) -> str:
             f"(median of {r['samples']}), COUNT/get_count {r['count_get_count']:.1f}, "
             f"exact {r['exact']}   (load {_load(r['load'])})",
         ]
+    if "async" in results:
+        lines += ["", *_async_lines(results["async"])]
     if "memory" in results:
         mem = results["memory"]
         small, large = mem["small"], mem["large"]

@@ -14,7 +14,18 @@ from redis import RedisError
 
 import counters
 
-from . import data, flush, idempotency, memory, parallel, reads, report, rounds, trigger
+from . import (
+    async_reads,
+    data,
+    flush,
+    idempotency,
+    memory,
+    parallel,
+    reads,
+    report,
+    rounds,
+    trigger,
+)
 from .child import ChildContext
 from .config import BenchConfig
 from .errors import BenchError
@@ -162,6 +173,20 @@ def _reads(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> d
     return reads.measure(reader, config.read_notifications, config.read_samples)
 
 
+def _async(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
+    tasks = ", ".join(map(str, config.async_concurrency))
+    progress(
+        f"async: aget_values (a thread hop) against a native asyncio read, {tasks} tasks at once"
+    )
+    return async_reads.measure(
+        buffer,
+        users[: config.async_keys],
+        config.async_concurrency,
+        config.async_reads,
+        config.async_rounds,
+    )
+
+
 def _memory(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
     sizes = [config.memory_small, config.memory_large]
     progress(f"memory: flusher processes draining {sizes[0]:,} and {sizes[1]:,} pending keys")
@@ -182,6 +207,7 @@ SECTION_RUNNERS: dict[str, Callable[..., dict]] = {
     "flush": _flush,
     "parallel": _parallel,
     "reads": _reads,
+    "async": _async,
     "memory": _memory,
     "idempotency": _idempotency,
 }

@@ -6,6 +6,7 @@
     counters.track("post_comments", Comment, key="post",       # count rows of any model
                    into="blog.PostStats.comments", where=Q(approved=True))
     counters.get_value("post_comments", post.pk)                # stored + buffered, exact
+    await counters.aget_value("post_comments", post.pk)         # the same, from async code
     counters.flush()                                            # drain Redis into the rows
     with counters.paused(): ...                                 # a data migration, uncounted
 
@@ -21,7 +22,8 @@ Declare
 Write
     ``add``, ``add_many``: deltas sent after COMMIT.
 Read
-    ``get_value``, ``get_values`` (stored + buffered, exact), ``get_parts``.
+    ``get_value``, ``get_values`` (stored + buffered, exact), ``get_parts``;
+    ``aget_value``, ``aget_values``: the same from async code.
 Operate
     ``flush`` (drain the buffer into the rows), ``rebuild``, ``rebuild_all``
     (repair from the truth), ``audit`` (one run of the continuous audit),
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
         RepairFenced,
         ScoreLimitExceeded,
         StalePush,
+        TrackedTooEarly,
         TrackingError,
         UnexpectedScriptReply,
         UnknownCounter,
@@ -64,7 +67,7 @@ if TYPE_CHECKING:
     from counters.base.registry import get_spec, register
     from counters.client import get_buffer, get_client
     from counters.ops.run import flush
-    from counters.read.values import get_parts, get_value, get_values
+    from counters.read.values import aget_value, aget_values, get_parts, get_value, get_values
     from counters.tracking.counting import rows_changed
     from counters.tracking.declare import track
     from counters.tracking.queryset import CountedManager, CountedQuerySet
@@ -90,6 +93,8 @@ _EXPORTS: dict[str, str] = {
     "get_value": "counters.read.values",
     "get_values": "counters.read.values",
     "get_parts": "counters.read.values",
+    "aget_value": "counters.read.values",
+    "aget_values": "counters.read.values",
     # operate
     "flush": "counters.ops.run",
     "rebuild": "counters.verify.rebuild",
@@ -114,6 +119,7 @@ _EXPORTS: dict[str, str] = {
     "RebuildRunning": "counters.base.exceptions",
     "RepairFenced": "counters.base.exceptions",
     "TrackingError": "counters.base.exceptions",
+    "TrackedTooEarly": "counters.base.exceptions",
     "LayoutChangePending": "counters.base.exceptions",
 }
 
@@ -132,11 +138,14 @@ __all__ = [
     "RepairFenced",
     "ScoreLimitExceeded",
     "StalePush",
+    "TrackedTooEarly",
     "TrackingError",
     "UnexpectedScriptReply",
     "UnknownCounter",
     "add",
     "add_many",
+    "aget_value",
+    "aget_values",
     "audit",
     "drain_queues",
     "flush",

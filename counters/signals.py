@@ -7,7 +7,8 @@ connected by ``counters.track()`` (:func:`counters.tracking.routes.install_track
 
 from __future__ import annotations
 
-from celery.signals import worker_process_shutdown, worker_shutdown
+from types import ModuleType
+
 from django.db import connections
 from django.db.backends.signals import connection_created
 from django.db.models.signals import post_migrate
@@ -16,6 +17,12 @@ from counters.base import metrics
 from counters.ops import schedule
 from counters.tracking import counting
 from counters.write import sender, transactions
+
+celery_signals: ModuleType | None
+try:
+    from celery import signals as celery_signals
+except ImportError:  # Celery is optional (the extra django-tally[celery]): cron runs the flush
+    celery_signals = None
 
 
 def connect_signals(app_config) -> None:
@@ -36,13 +43,23 @@ def connect_signals(app_config) -> None:
     for conn in connections.all(initialized_only=True):
         transactions.follow(conn)
     counting.rows_changed.connect(counting.count_rows, dispatch_uid="counters.count_rows")
+    if celery_signals is not None:
+        _connect_celery(celery_signals)
+
+
+def _connect_celery(celery: ModuleType) -> None:
+    """Receivers of the end of a Celery process (``celery.signals``)."""
     # A Celery process that ends drops its live Prometheus gauges (multiprocess mode).
-    worker_process_shutdown.connect(
+    celery.worker_process_shutdown.connect(
         metrics.child_exited, dispatch_uid="counters.base.metrics.child"
     )
-    worker_shutdown.connect(metrics.worker_exited, dispatch_uid="counters.base.metrics.worker")
+    celery.worker_shutdown.connect(
+        metrics.worker_exited, dispatch_uid="counters.base.metrics.worker"
+    )
     # Queued deltas are pushed before a Celery process ends (a prefork child skips atexit).
-    worker_process_shutdown.connect(
+    celery.worker_process_shutdown.connect(
         sender.drain_on_signal, dispatch_uid="counters.write.sender.child"
     )
-    worker_shutdown.connect(sender.drain_on_signal, dispatch_uid="counters.write.sender.worker")
+    celery.worker_shutdown.connect(
+        sender.drain_on_signal, dispatch_uid="counters.write.sender.worker"
+    )

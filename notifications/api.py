@@ -12,9 +12,10 @@ OpenAPI document (:mod:`notifications.openapi`) describes all of it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from functools import wraps
-from typing import Any
+from inspect import iscoroutinefunction
+from typing import Any, TypeVar, cast
 from urllib.parse import urlencode
 
 from django.conf import settings
@@ -32,6 +33,9 @@ from .models import Notification
 from .openapi import document
 
 View = Callable[..., HttpResponse]
+AsyncView = Callable[..., Coroutine[Any, Any, HttpResponse]]
+#: A view, sync or async: :func:`endpoint` gives back the kind it was given.
+AnyView = TypeVar("AnyView", bound=Callable[..., Any])
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 FORM_TYPES = frozenset({"multipart/form-data", "application/x-www-form-urlencoded"})
 
@@ -81,55 +85,105 @@ def body_too_large(request: HttpRequest) -> HttpResponse | None:
     return None
 
 
-def endpoint(*methods: str, public: bool = False) -> Callable[[View], View]:
+#: What a view may raise, answered as a JSON error.
+VIEW_ERRORS = (RequestDataTooBig, BadInput, Notification.DoesNotExist)
+
+
+def refused(exc: Exception) -> JsonResponse:
+    """The JSON error answering one of :data:`VIEW_ERRORS`."""
+    if isinstance(exc, RequestDataTooBig):
+        return error(413, "request body is too large")
+    if isinstance(exc, BadInput):
+        return error(400, exc.message if exc.param == "body" else str(exc))
+    return error(404, "no such notification")
+
+
+def endpoint(*methods: str, public: bool = False) -> Callable[[AnyView], AnyView]:
     """Method check (405), body size (413), session authentication (401), CSRF check (403),
-    HEAD and OPTIONS, no caching."""
+    HEAD and OPTIONS, no caching. The view may be a coroutine function (an async view):
+    the user is then loaded with ``request.auser()``."""
     allowed = allowed_methods(methods)
     allow = ", ".join(allowed)
     # OPTIONS is answered here unless the view lists it (the catch-all 404 does).
     answer_options = "OPTIONS" not in methods
 
-    def decorate(view: View) -> View:
-        def respond(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            if request.method not in allowed:
-                response = error(405, f"method {request.method} is not allowed here")
-                response["Allow"] = allow
-                return response
-            if request.method == "OPTIONS" and answer_options:
-                response = JsonResponse({"allow": allowed})
-                response["Allow"] = allow
-                return response
-            too_large = body_too_large(request)
-            if too_large is not None:
-                return too_large
-            try:
-                if not public:
-                    if not request.user.is_authenticated:
-                        return error(401, "authentication required")
-                    if request.method not in SAFE_METHODS:
-                        rejected = csrf_failure(request)
-                        if rejected is not None:
-                            return rejected
-                return view(request, *args, **kwargs)
-            except RequestDataTooBig:
-                return error(413, "request body is too large")
-            except BadInput as exc:
-                return error(400, exc.message if exc.param == "body" else str(exc))
-            except Notification.DoesNotExist:
-                return error(404, "no such notification")
-
-        @wraps(view)
-        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-            response = respond(request, *args, **kwargs)
-            if request.method == "HEAD" and not response.streaming:
-                # The headers of the GET answer, with its length, and no body.
-                response["Content-Length"] = str(len(response.content))
-                response.content = b""
+    def before(request: HttpRequest) -> HttpResponse | None:
+        """The answer given without the user: a wrong method, OPTIONS, a body too large."""
+        if request.method not in allowed:
+            response = error(405, f"method {request.method} is not allowed here")
+            response["Allow"] = allow
             return response
+        if request.method == "OPTIONS" and answer_options:
+            response = JsonResponse({"allow": allowed})
+            response["Allow"] = allow
+            return response
+        return body_too_large(request)
 
-        return csrf_exempt(never_cache(wrapper))
+    def admitted(request: HttpRequest, user: Any) -> HttpResponse | None:
+        """The 401 or 403 refusing ``user``, else None."""
+        if public:
+            return None
+        if not user.is_authenticated:
+            return error(401, "authentication required")
+        if request.method not in SAFE_METHODS:
+            return csrf_failure(request)
+        return None
+
+    def decorate(view: AnyView) -> AnyView:
+        wrap = _async_wrapper if iscoroutinefunction(view) else _sync_wrapper
+        return cast(AnyView, csrf_exempt(never_cache(wrap(view, before, admitted, public))))
 
     return decorate
+
+
+#: The answer given without the user (a wrong method, OPTIONS, a body too large), if any.
+Before = Callable[[HttpRequest], HttpResponse | None]
+#: The 401 or 403 refusing a user, if any.
+Admitted = Callable[[HttpRequest, Any], HttpResponse | None]
+
+
+def _sync_wrapper(view: View, before: Before, admitted: Admitted, public: bool) -> View:
+    """:func:`endpoint`'s checks around a view."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        answer = before(request)
+        if answer is None:
+            try:
+                answer = admitted(request, None if public else request.user)
+                if answer is None:
+                    answer = view(request, *args, **kwargs)
+            except VIEW_ERRORS as exc:
+                answer = refused(exc)
+        return without_body_for_head(request, answer)
+
+    return wrapper
+
+
+def _async_wrapper(view: AsyncView, before: Before, admitted: Admitted, public: bool) -> AsyncView:
+    """:func:`endpoint`'s checks around an async view, in the event loop (``request.auser()``)."""
+
+    @wraps(view)
+    async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        answer = before(request)
+        if answer is None:
+            try:
+                answer = admitted(request, None if public else await request.auser())
+                if answer is None:
+                    answer = await view(request, *args, **kwargs)
+            except VIEW_ERRORS as exc:
+                answer = refused(exc)
+        return without_body_for_head(request, answer)
+
+    return wrapper
+
+
+def without_body_for_head(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+    """For HEAD: the headers of the GET answer, with its length, and no body."""
+    if request.method == "HEAD" and not response.streaming:
+        response["Content-Length"] = str(len(response.content))
+        response.content = b""
+    return response
 
 
 def serialize(n: Notification) -> dict[str, Any]:
@@ -179,8 +233,10 @@ def notification_list(request: HttpRequest) -> JsonResponse:
 
 
 @endpoint("GET")
-def unread_count(request: HttpRequest) -> JsonResponse:
-    return JsonResponse({"unread": inbox.unread_count(request.user)})
+async def unread_count(request: HttpRequest) -> JsonResponse:
+    """The badge's poll, the busiest request: an async view, its count read by ``aget_count``."""
+    user = await request.auser()
+    return JsonResponse({"unread": await inbox.aunread_count(user)})
 
 
 @endpoint("GET", "DELETE")

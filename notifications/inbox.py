@@ -91,6 +91,11 @@ def unread_count(user: Any) -> int:
     return UnreadCounter.objects.get_count(user)
 
 
+async def aunread_count(user: Any) -> int:
+    """:func:`unread_count` from async code."""
+    return await UnreadCounter.objects.aget_count(user)
+
+
 def mark_all_read(user: Any, until_id: int | None = None) -> int:
     """Mark the user's unread notifications read (only ids up to ``until_id`` if given)."""
     qs = Notification.objects.filter(recipient=user)

@@ -8,6 +8,7 @@ counts nothing, so racing requests never count twice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
@@ -127,6 +128,21 @@ class UnreadCounterManager(models.Manager):
         """Exact unread counts of several users at once, keyed by user id (never below 0)."""
         ids = [getattr(u, "pk", u) for u in users_or_ids]
         return counters.get_values(UNREAD_COUNTER, ids, using=self.db)
+
+    async def aget_count(self, user_or_id: Any) -> int:
+        """:meth:`get_count` from async code (an async view): the same exact count."""
+        user_id = getattr(user_or_id, "pk", user_or_id)
+        return await counters.aget_value(UNREAD_COUNTER, user_id, using=self.db)
+
+    async def aget_counts(self, users_or_ids) -> dict[Any, int]:
+        """:meth:`get_counts` from async code. ``users_or_ids`` is read in the thread that
+        reads the counts, so it may be a QuerySet of users."""
+
+        def ids() -> Iterator[Any]:  # a generator function: iterated in the thread alone
+            for user in users_or_ids:
+                yield getattr(user, "pk", user)
+
+        return await counters.aget_values(UNREAD_COUNTER, ids(), using=self.db)
 
 
 class UnreadCounter(models.Model):

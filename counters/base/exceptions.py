@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import AppRegistryNotReady, ImproperlyConfigured
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -183,6 +183,19 @@ class TrackingError(CountersError, ImproperlyConfigured):
         self.counter = counter
         self.problem = problem
         super().__init__(f"{check_id}: counter {counter!r}: {problem}")
+
+
+class TrackedTooEarly(CountersError, AppRegistryNotReady):
+    """``counters.track()`` of counter ``counter`` ran before Django's models were loaded:
+    at import time, e.g. at module level in a ``models.py``."""
+
+    def __init__(self, counter: str) -> None:
+        self.counter = counter
+        super().__init__(
+            f"counters.track({counter!r}) was called before Django's app registry is ready "
+            "(at import time, e.g. at module level in models.py): call it from your app's "
+            "AppConfig.ready()"
+        )
 
 
 class LayoutChangePending(CountersError):

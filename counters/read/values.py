@@ -18,6 +18,14 @@ could not prove consistent: :class:`InconsistentRead` is raised instead.
 
 Inside a transaction the deltas it has recorded but not yet sent are added,
 so a request sees its own changes.
+
+From async code, :func:`aget_value` and :func:`aget_values` run that same
+read in a thread, the way Django's async ORM methods run their queries
+(``sync_to_async``, thread-sensitive): it keeps every guarantee above,
+including the deltas of a transaction that the calling thread holds open.
+A native asyncio Redis client was measured against it and lost: the read
+still needs its database statement in a thread, so it only added a second
+client and its overhead (docs/benchmarks.md, "Async reads").
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, connections
 from redis import RedisError
 
@@ -94,6 +103,20 @@ def _exact_values(name: str, keys: Iterable[Any], using: str) -> dict[Any, int]:
 
 def get_value(name: str, key: Any, *, using: str = DEFAULT_DB_ALIAS) -> int:
     return get_values(name, [key], using=using)[key]
+
+
+async def aget_values(name: str, keys: Iterable[Any], using: str | None = None) -> dict[Any, int]:
+    """:func:`get_values` from async code: the same exact values, read in a thread.
+
+    ``keys`` is consumed in that thread, so it may be a lazy QuerySet
+    (``values_list("pk", flat=True)``). ``using=None`` is the default database.
+    """
+    return await sync_to_async(get_values)(name, keys, using=using or DEFAULT_DB_ALIAS)
+
+
+async def aget_value(name: str, key: Any, using: str | None = None) -> int:
+    """:func:`get_value` from async code: the same exact value, read in a thread."""
+    return (await aget_values(name, [key], using))[key]
 
 
 def _add_queued(own: dict[str, int], members: Iterable[str], queue: Sender | None) -> None:

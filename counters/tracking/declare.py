@@ -28,7 +28,7 @@ from django.db import models
 from django.db.models import Q
 
 from counters.base import registry
-from counters.base.exceptions import TrackingError, UnknownCounter
+from counters.base.exceptions import TrackedTooEarly, TrackingError, UnknownCounter
 from counters.base.utils import concrete_model, related_model, target_field
 from counters.tracking import refusals
 from counters.tracking.routes import install_tracked
@@ -71,8 +71,11 @@ def track(
     ``where`` (a ``Q`` on the model's own fields) picks the rows that count;
     ``amount`` (an integer field) is added instead of 1. A counter without
     ``amount`` is a count of rows and never reads below zero. Call it from
-    an ``AppConfig.ready()``; the same declaration twice is harmless.
+    an ``AppConfig.ready()`` (earlier, :class:`TrackedTooEarly` is raised);
+    the same declaration twice is harmless.
     """
+    if not apps.models_ready:  # one clear error, not the registry's own from deep inside
+        raise TrackedTooEarly(str(name))
     if not isinstance(name, str) or not name or ":" in name:
         raise TrackingError("counters.E016", str(name), "a name is a non-empty string without ':'")
     source = _source_model(name, model)

@@ -59,6 +59,12 @@ FIGURES = [
     ("reads", "get_count_ms"),
     ("reads", "count_ms"),
     ("reads", "count_get_count"),
+    *[
+        ("async", "designs", d, c, f)
+        for d in ("hop", "native")
+        for c in ("1", "8")
+        for f in ("reads_per_s", "cpu_us_per_read")
+    ],
     ("memory", "small", "peak_mb"),
     ("memory", "large", "peak_mb"),
     *[
@@ -113,6 +119,7 @@ def test_quick_json_checks_and_targets(quick_run):
     quick_run, _, _ = quick_run
     assert quick_run["config"]["quick"] is True
     assert quick_run["reads"]["exact"] is True
+    assert quick_run["async"]["exact"] is True
     assert quick_run["writes"]["tally_deltas_match"] is True
     assert quick_run["writes"]["durable_ops"] > 0
     assert quick_run["writes"]["outbox_rows_left"] == 0  # each durable write deleted its row
@@ -180,7 +187,7 @@ def test_bench_leaves_no_data_behind(quick_run):
         pytest.param(("--rounds", "-2"), "--rounds must be at least 1, got -2", id="rounds"),
         pytest.param(
             ("--sections", "writes,nope"),
-            "--sections takes names from writes,flush,parallel,reads,memory,idempotency, "
+            "--sections takes names from writes,flush,parallel,reads,async,memory,idempotency, "
             "got 'writes,nope'",
             id="sections",
         ),

@@ -35,9 +35,9 @@ def test_five_alerts_each_with_a_severity_and_a_summary():
         assert rule["annotations"]["summary"]
 
 
-def test_the_readme_shows_the_rules():
-    readme = (ROOT / "README.md").read_text()
-    assert f"```yaml\n{RULES.read_text()}```" in readme
+def test_the_operations_docs_show_the_rules():
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert f"```yaml\n{RULES.read_text()}```" in operations
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")

@@ -1,4 +1,10 @@
-"""The README documents every setting the code has, and shows the real Procfiles."""
+"""The docs document every setting the code has and show the real Procfiles; the README
+stays a pitch, a quick start and links.
+
+Each check reads the page that holds its subject: the settings and the
+environment in docs/configuration.md, the Procfiles and the API's limits in
+docs/example.md, the module map in docs/development.md.
+"""
 
 import re
 from pathlib import Path
@@ -9,6 +15,11 @@ from counters.base import conf
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
+EXAMPLE = (ROOT / "docs" / "example.md").read_text()
+DEVELOPMENT = (ROOT / "docs" / "development.md").read_text()
+#: The README's length at most: a pitch, a quick start and links.
+README_LINES = 250
 
 #: Environment variables read by Python code: os.environ.get("X"), os.environ["X"], env_bool("X").
 PY_ENV = re.compile(r"""(?:os\.environ\.get|os\.getenv|env_bool)\(\s*["']([A-Z][A-Z0-9_]*)["']""")
@@ -40,11 +51,11 @@ SOURCES = [
 READ = sorted({name for source in SOURCES for name in env_names(source)} - STANDARD)
 
 
-def section(title: str) -> str:
-    """The README's text under ``## title`` up to the next ``## `` heading."""
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else None]
+def section(title: str, text: str = README) -> str:
+    """The text under ``## title`` up to the next ``## `` heading (in the README by default)."""
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else None]
 
 
 def table_names(text: str) -> set[str]:
@@ -56,17 +67,17 @@ def table_names(text: str) -> set[str]:
     return names
 
 
-def fenced_block_after(marker: str) -> str:
-    """The first fenced code block after the first line containing ``marker``."""
-    start = README.index(marker)
-    match = re.compile(r"^```[^\n]*\n(.*?)^```$", re.S | re.M).search(README, start)
+def fenced_block_after(marker: str, text: str) -> str:
+    """The first fenced code block of ``text`` after the first line containing ``marker``."""
+    start = text.index(marker)
+    match = re.compile(r"^```[^\n]*\n(.*?)^```$", re.S | re.M).search(text, start)
     assert match is not None, f"no code block after {marker!r}"
     return match[1]
 
 
 @pytest.mark.parametrize("name", sorted(conf.SETTINGS))
-def test_every_setting_is_in_the_readme_table(name):
-    assert f"| `{name}` |" in README
+def test_every_setting_is_in_the_settings_table(name):
+    assert f"| `{name}` |" in section("Settings", CONFIGURATION)
 
 
 def test_the_sources_read_environment_variables():
@@ -76,26 +87,28 @@ def test_the_sources_read_environment_variables():
 
 @pytest.mark.parametrize("name", READ)
 def test_every_environment_variable_is_in_the_configuration_table(name):
-    assert name in table_names(section("Configuration")), f"{name} is not in the README table"
+    # the environment's table, or the settings' (a COUNTERS_* setting may come from the
+    # environment variable of its name)
+    assert name in table_names(CONFIGURATION), f"{name} is not in docs/configuration.md"
 
 
 @pytest.mark.parametrize("procfile", ["Procfile", "Procfile.production"])
-def test_readme_shows_the_real_procfile(procfile):
+def test_the_example_shows_the_real_procfile(procfile):
     marker = "Processes (`Procfile`):" if procfile == "Procfile" else f"(`{procfile}`"
-    assert fenced_block_after(marker) == (ROOT / procfile).read_text()
+    assert fenced_block_after(marker, EXAMPLE) == (ROOT / procfile).read_text()
 
 
-def test_readme_states_the_api_limits():
+def test_the_example_states_the_api_limits():
     from notifications.inbox import MAX_PAGE, MAX_PAGE_SIZE
 
-    assert f"`page` ≤ {MAX_PAGE}, `page_size` ≤ {MAX_PAGE_SIZE}" in README
+    assert f"`page` ≤ {MAX_PAGE}, `page_size` ≤ {MAX_PAGE_SIZE}" in EXAMPLE
 
 
 def module_map(text: str) -> dict[str, str]:
     """The module map of ``counters/`` in ``text``, as ``{name: line}``.
 
     It is the fenced block holding a line that starts with ``counters/``: the
-    lines indented under that one (the README's map is that block alone). A
+    lines indented under that one (docs/development.md's map is that block alone). A
     name is the line's first word, without a trailing ``/``; the line of
     Django's names (a list with commas) is left out.
     """
@@ -146,8 +159,8 @@ DJANGO_NAMES = {
 }
 
 
-def test_readme_module_map_matches_the_code():
-    assert set(module_map(README)) == code_layout()
+def test_the_module_map_matches_the_code():
+    assert set(module_map(DEVELOPMENT)) == code_layout()
 
 
 #: Where the code departs from the starting cut of ../shared/DESIGN.md, which invites it
@@ -178,4 +191,63 @@ def test_design_layout_matches_the_code():
 
 def test_module_maps_see_the_real_layouts():
     # Guards the parser: a map it read as empty would match nothing, and fail loudly above.
-    assert {"base", "buffer", "write", "read", "verify", "ops"} <= set(module_map(README))
+    assert {"base", "buffer", "write", "read", "verify", "ops"} <= set(module_map(DEVELOPMENT))
+
+
+def test_the_readme_is_a_pitch_a_quick_start_and_links():
+    assert len(README.splitlines()) <= README_LINES
+    # the quick start is two commands
+    assert fenced_block_after("## Quick start", README).splitlines() == [
+        "make run    # .venv, install, migrate (SQLite in var/), then web + worker + beat",
+        "make test   # install, then the whole suite on SQLite and on PostgreSQL",
+    ]
+
+
+def test_the_readme_first_tells_an_existing_project_what_to_do():
+    match = re.search(r"^## (.+)$", README, re.M)
+    assert match is not None
+    first = section(match[1])
+    for step in (
+        "pip install django-tally",
+        '"counters"',  # INSTALLED_APPS
+        "COUNTERS_REDIS_URL",
+        "manage.py migrate",
+        "AppConfig.ready()",
+        "counters.track(",
+        "counters: flush buffered deltas",  # the beat entry
+        "manage.py counters_flush",  # the cron line
+        "| Python |",
+        "| Django |",
+        "| Databases |",
+        "| Redis servers |",
+    ):
+        assert step in first, step
+
+
+def test_the_support_table_states_what_the_package_and_ci_declare():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11"
+    assert "Django>=5.2,<6.1" in project["dependencies"]
+    djangos = {c.rsplit(" :: ", 1)[1] for c in project["classifiers"] if "Django :: " in c}
+    assert djangos == {"5.2", "6.0"}
+    row = next(line for line in README.splitlines() if line.startswith("| Django |"))
+    assert "5.2 LTS, 6.0" in row and "each on PostgreSQL and SQLite" in row
+    assert "| Python | 3.11+ |" in README
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^DJANGO60_DATABASES \?= sqlite,postgres$", makefile, re.M)
+    assert "make test-django60" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []

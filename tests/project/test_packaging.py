@@ -1,4 +1,9 @@
-"""The wheel ships the two apps and the buffer's Lua scripts, not the settings or the benchmark."""
+"""The wheel ships the counters app alone, with its Lua scripts and ``py.typed``.
+
+The example project (``notifications``, ``config``, ``benchmarks``) stays out: its
+``notifications`` label would collide with django-notifications-hq's in a user's
+project. ``tests/project/test_wheel.py`` builds the wheel and installs it.
+"""
 
 from __future__ import annotations
 
@@ -15,17 +20,21 @@ def shipped() -> set[str]:
     return set(find_packages(str(ROOT), include=find["include"]))
 
 
-def test_the_wheel_ships_the_apps_with_their_commands_and_migrations():
+def test_the_wheel_ships_the_app_with_its_commands_and_migrations_and_no_example():
     packages = shipped()
-    assert {
-        "counters",
-        "counters.management.commands",
-        "counters.migrations",
-        "notifications",
-        "notifications.management.commands",
-        "notifications.migrations",
-    } <= packages
-    assert {p.split(".")[0] for p in packages} == {"counters", "notifications"}
+    assert {"counters", "counters.management.commands", "counters.migrations"} <= packages
+    assert {p.split(".")[0] for p in packages} == {"counters"}
+
+
+def test_the_distribution_is_named_django_tally():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["project"]["name"] == "django-tally"
+
+
+def test_the_wheel_ships_py_typed():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert (ROOT / "counters" / "py.typed").is_file()
+    assert "py.typed" in config["tool"]["setuptools"]["package-data"]["counters"]
 
 
 def test_the_wheel_ships_the_buffer_lua_scripts():

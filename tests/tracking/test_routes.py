@@ -1,6 +1,6 @@
 """Every route by which Django changes rows of a tracked model is counted exactly.
 
-One test per line of the README's path table (the ids are named there). Each
+One test per line of the path table of docs/tracking.md (the ids are named there). Each
 route runs on a small world of owners, entries and multi-table rows, then
 every ``route_*`` counter of every owner is compared with SQL: ``get_value``
 now, the stored rows after a flush.
