@@ -84,11 +84,7 @@ def check_redis_url() -> list[Error]:
     """E009: a redis URL; with COUNTERS_REDIS_CLUSTER, one or several cluster node URLs;
     with COUNTERS_REDIS_SENTINELS, a URL of the master's scheme, credentials and database."""
     url = conf.redis_url()
-    try:
-        cluster = conf.redis_cluster()
-    except (TypeError, ValueError):
-        cluster = False
-    if cluster:
+    if _cluster_on():
         try:
             node_urls(url)
         except ValueError as exc:
@@ -110,6 +106,13 @@ def check_redis_url() -> list[Error]:
         except ValueError as exc:
             return [Error(f"COUNTERS_REDIS_URL {url!r}: {exc}.", id="counters.E009")]
     return []
+
+
+def _cluster_on() -> bool:
+    try:
+        return conf.redis_cluster()
+    except (TypeError, ValueError):
+        return False
 
 
 def check_sentinels() -> list[Error]:
@@ -142,11 +145,7 @@ def check_sentinels() -> list[Error]:
                 id="counters.E081",
             )
         )
-    try:
-        cluster = conf.redis_cluster()
-    except (TypeError, ValueError):
-        cluster = False
-    if cluster:
+    if _cluster_on():
         errors.append(
             Error(
                 f"{name} and COUNTERS_REDIS_CLUSTER are both set: a Redis Cluster fails "
@@ -277,7 +276,7 @@ def check_redis_reachable(app_configs=None, **kwargs):
     except RedisError as exc:
         return [
             Warning(
-                f"Redis is unreachable at {conf.redis_url()}: {exc}",
+                f"Redis is unreachable at {conf.redis_where()}: {exc}",
                 hint="Counter deltas fall back to direct DB writes until it is back.",
                 id="counters.W001",
             )
@@ -323,7 +322,7 @@ def check_redis_eviction(app_configs=None, **kwargs):
     except RedisError as exc:
         return [
             Warning(
-                f"Could not read Redis's maxmemory-policy at {conf.redis_url()}: {exc}",
+                f"Could not read Redis's maxmemory-policy at {conf.redis_where()}: {exc}",
                 hint="Make sure it is noeviction: an evicting policy drops buffered deltas.",
                 id="counters.W019",
             )
@@ -333,7 +332,7 @@ def check_redis_eviction(app_configs=None, **kwargs):
         if policy in EVICTS_ANY:
             messages.append(
                 Error(
-                    f"Redis at {conf.redis_url()} has maxmemory-policy {policy}: at maxmemory "
+                    f"Redis at {conf.redis_where()} has maxmemory-policy {policy}: at maxmemory "
                     "it evicts buffered deltas, and their counts are lost until a rebuild.",
                     hint="Set maxmemory-policy noeviction: a full Redis then refuses pushes "
                     "and commits write to the database directly.",
@@ -343,7 +342,7 @@ def check_redis_eviction(app_configs=None, **kwargs):
         elif policy.startswith("volatile-"):
             messages.append(
                 Warning(
-                    f"Redis at {conf.redis_url()} has maxmemory-policy {policy}: at maxmemory "
+                    f"Redis at {conf.redis_where()} has maxmemory-policy {policy}: at maxmemory "
                     "it evicts keys with a TTL, the flush leases and the fences of late "
                     "pushes among them.",
                     hint="Set maxmemory-policy noeviction.",

@@ -42,14 +42,31 @@ pytest.register_assert_rewrite("tests.helpers")
 SERIAL_FOLDERS = ("chaos", "e2e", "bench")
 
 
+#: Folders whose ``redis_backend`` tests also run through Sentinel: those that talk to Redis
+#: (and the flush command's). Elsewhere (the ORM capture of tracking/) the backend changes
+#: nothing a single Redis and a cluster do not already show.
+SENTINEL_FOLDERS = ("buffer", "flushing", "write", "read", "app")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark the tests of :data:`SERIAL_FOLDERS` ``serial``: ``make test`` runs them in a pass
-    of their own after the parallel one, so their timing never competes with other tests."""
+    of their own after the parallel one, so their timing never competes with other tests.
+    Leave out the Sentinel runs of ``redis_backend`` tests outside :data:`SENTINEL_FOLDERS`."""
     root = config.rootpath / "tests"
+    kept, dropped = [], []
     for item in items:
         parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
         if parts and parts[0] in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
+        callspec = getattr(item, "callspec", None)
+        sentinel = callspec is not None and callspec.params.get("redis_backend") == "sentinel"
+        if sentinel and not (parts and parts[0] in SENTINEL_FOLDERS):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def is_postgres() -> bool:

@@ -229,6 +229,18 @@ def redis_cluster() -> bool:
     return bool(get("COUNTERS_REDIS_CLUSTER"))
 
 
+def redis_where() -> str:
+    """Where the buffer's Redis is looked for, for messages: its URL, or with Sentinel the
+    service and the sentinels that name its master."""
+    try:
+        sentinels = redis_sentinels()
+    except (TypeError, ValueError):  # a bad setting: counters.E080 names it
+        sentinels = []
+    if not sentinels:
+        return redis_url()
+    return f"{redis_sentinel_service()!r} via sentinels {','.join(sentinels)}"
+
+
 def redis_sentinels() -> list[str]:
     """``COUNTERS_REDIS_SENTINELS``: the sentinels' addresses, empty when Sentinel is not used."""
     return get("COUNTERS_REDIS_SENTINELS") or []

@@ -17,10 +17,10 @@ from redis.sentinel import SentinelConnectionPool
 import counters
 from counters import client as client_module
 from counters.base import conf
-from counters.base.exceptions import NotConnected
+from counters.base.exceptions import BufferUnavailable, NotConnected
 from counters.buffer.connections import SentinelTcpConnection, SentinelTlsConnection
 from counters.buffer.sentinel import master_options, sentinel_addresses
-from counters.checks import check_settings
+from counters.checks import check_redis_reachable, check_settings
 from counters.models import FlushBatch
 from counters.write.delivery import may_have_left
 from notifications.models import Notification
@@ -163,12 +163,21 @@ def test_the_client_talks_to_the_master_the_sentinels_name(settings):
 
 
 @pytest.mark.redis
+@pytest.mark.django_db
 def test_no_sentinel_answering_is_not_connected_and_nothing_was_sent(settings):
     settings.COUNTERS_REDIS_SENTINELS = ["127.0.0.1:1", "127.0.0.1:2"]
     settings.COUNTERS_SOCKET_TIMEOUT = 0.2
     with pytest.raises(NotConnected, match="No master found for 'mymaster'") as raised:
         counters.get_buffer().push({"unread:1": 1}, "push-1")
     assert not may_have_left(raised.value)
+    where = "'mymaster' via sentinels 127.0.0.1:1,127.0.0.1:2"
+    with pytest.raises(BufferUnavailable, match=f"^Redis unreachable at {where}: No master"):
+        counters.flush()
+    [warning] = check_redis_reachable()
+    assert (warning.id, warning.msg.startswith(f"Redis is unreachable at {where}: ")) == (
+        "counters.W001",
+        True,
+    )
 
 
 @pytest.mark.redis
