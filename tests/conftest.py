@@ -5,9 +5,10 @@ Integration tests use the real Redis at REDIS_URL and the configured database
 its own Redis key prefix, removed afterwards, so runs never see each other.
 
 A module that marks its tests with ``pytest.mark.usefixtures("redis_backend")``
-runs each of them three times: on that single Redis, on a Redis Cluster of six
-redis-server processes, and on a master with a replica behind three sentinels
-(``COUNTERS_REDIS_SENTINELS``); the suite starts the cluster and the sentinel
+runs each of them on that single Redis and on a Redis Cluster of six
+redis-server processes; in the folders that talk to Redis (:data:`SENTINEL_FOLDERS`)
+also through three sentinels watching a master and its replica
+(``COUNTERS_REDIS_SENTINELS``). The suite starts the cluster and the sentinel
 set once, at the first test that needs them (``-m "not redis_cluster"`` and
 ``-m "not redis_sentinel"`` leave those runs out).
 
@@ -131,9 +132,10 @@ def redis_cluster_server() -> Iterator[RedisClusterServer]:
 def redis_sentinel_set() -> Iterator[SentinelSet]:
     """A master, its replica and three sentinels shared by the session, started at first use.
 
-    Tests that fail the master over start a set of their own.
+    Tests that fail the master over start a set of their own. This one waits 30 s before it
+    deems the master down, so that a loaded machine never fails it over under a test.
     """
-    with SentinelSet() as sentinels:
+    with SentinelSet(down_after_ms=30_000) as sentinels:
         yield sentinels
 
 
