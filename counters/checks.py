@@ -14,6 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from counters.base import conf
 from counters.base.metrics import MULTIPROC_ENV, multiprocess_dir
 from counters.buffer.cluster import node_urls
+from counters.buffer.sentinel import master_options, sentinel_addresses
 from counters.client import get_client
 from counters.tracking.queryset import CountedQuerySet
 from counters.tracking.refusals import other_managers, problems, refused_models, uncounted_manager
@@ -71,23 +72,25 @@ def check_settings(app_configs=None, **kwargs):
             )
         )
     errors.extend(check_redis_url())
+    errors.extend(check_sentinels())
     return errors
 
 
+#: URL schemes of one Redis or Valkey server.
+URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
+
+
 def check_redis_url() -> list[Error]:
-    """E009: a redis URL; with COUNTERS_REDIS_CLUSTER, one or several cluster node URLs."""
+    """E009: a redis URL; with COUNTERS_REDIS_CLUSTER, one or several cluster node URLs;
+    with COUNTERS_REDIS_SENTINELS, a URL of the master's scheme, credentials and database."""
     url = conf.redis_url()
-    try:
-        cluster = conf.redis_cluster()
-    except (TypeError, ValueError):
-        cluster = False
-    if cluster:
+    if _cluster_on():
         try:
             node_urls(url)
         except ValueError as exc:
             return [Error(f"COUNTERS_REDIS_URL {url!r}: {exc}.", id="counters.E009")]
         return []
-    if not url.startswith(("redis://", "rediss://", "unix://")):
+    if not url.startswith(URL_SCHEMES):
         return [Error(f"COUNTERS_REDIS_URL {url!r} is not a redis URL.", id="counters.E009")]
     if "," in url:
         return [
@@ -97,7 +100,61 @@ def check_redis_url() -> list[Error]:
                 id="counters.E009",
             )
         ]
+    if conf.raw("COUNTERS_REDIS_SENTINELS"):
+        try:
+            master_options(url)
+        except ValueError as exc:
+            return [Error(f"COUNTERS_REDIS_URL {url!r}: {exc}.", id="counters.E009")]
     return []
+
+
+def _cluster_on() -> bool:
+    try:
+        return conf.redis_cluster()
+    except (TypeError, ValueError):
+        return False
+
+
+def check_sentinels() -> list[Error]:
+    """E080: COUNTERS_REDIS_SENTINELS names sentinels (host:port); E081: a service name;
+    E082: not with COUNTERS_REDIS_CLUSTER."""
+    raw = conf.raw("COUNTERS_REDIS_SENTINELS")
+    if raw is None or raw == "" or raw == []:
+        return []
+    name = "COUNTERS_REDIS_SENTINELS"
+    if not isinstance(raw, (str, list, tuple)):
+        return [Error(f"{name} must be a list of host:port, got {raw!r}.", id="counters.E080")]
+    try:
+        sentinel_addresses(conf.redis_sentinels())
+    except ValueError as exc:
+        return [
+            Error(
+                f"{name} {raw!r}: {exc}.",
+                hint='List each sentinel as "host:port", e.g. ["10.0.0.1:26379", '
+                '"10.0.0.2:26379"], or "host:port,host:port" in the environment.',
+                id="counters.E080",
+            )
+        ]
+    errors = []
+    service = conf.raw("COUNTERS_REDIS_SENTINEL_SERVICE")
+    if not isinstance(service, str) or not service.strip() or any(c.isspace() for c in service):
+        errors.append(
+            Error(
+                f"COUNTERS_REDIS_SENTINEL_SERVICE must be the name the sentinels monitor the "
+                f"master under, without spaces (got {service!r}).",
+                id="counters.E081",
+            )
+        )
+    if _cluster_on():
+        errors.append(
+            Error(
+                f"{name} and COUNTERS_REDIS_CLUSTER are both set: a Redis Cluster fails "
+                "over by itself, without sentinels.",
+                hint="Set one of them.",
+                id="counters.E082",
+            )
+        )
+    return errors
 
 
 def check_audit_interval() -> list[CheckMessage]:
@@ -219,7 +276,7 @@ def check_redis_reachable(app_configs=None, **kwargs):
     except RedisError as exc:
         return [
             Warning(
-                f"Redis is unreachable at {conf.redis_url()}: {exc}",
+                f"Redis is unreachable at {conf.redis_where()}: {exc}",
                 hint="Counter deltas fall back to direct DB writes until it is back.",
                 id="counters.W001",
             )
@@ -265,7 +322,7 @@ def check_redis_eviction(app_configs=None, **kwargs):
     except RedisError as exc:
         return [
             Warning(
-                f"Could not read Redis's maxmemory-policy at {conf.redis_url()}: {exc}",
+                f"Could not read Redis's maxmemory-policy at {conf.redis_where()}: {exc}",
                 hint="Make sure it is noeviction: an evicting policy drops buffered deltas.",
                 id="counters.W019",
             )
@@ -275,7 +332,7 @@ def check_redis_eviction(app_configs=None, **kwargs):
         if policy in EVICTS_ANY:
             messages.append(
                 Error(
-                    f"Redis at {conf.redis_url()} has maxmemory-policy {policy}: at maxmemory "
+                    f"Redis at {conf.redis_where()} has maxmemory-policy {policy}: at maxmemory "
                     "it evicts buffered deltas, and their counts are lost until a rebuild.",
                     hint="Set maxmemory-policy noeviction: a full Redis then refuses pushes "
                     "and commits write to the database directly.",
@@ -285,7 +342,7 @@ def check_redis_eviction(app_configs=None, **kwargs):
         elif policy.startswith("volatile-"):
             messages.append(
                 Warning(
-                    f"Redis at {conf.redis_url()} has maxmemory-policy {policy}: at maxmemory "
+                    f"Redis at {conf.redis_where()} has maxmemory-policy {policy}: at maxmemory "
                     "it evicts keys with a TTL, the flush leases and the fences of late "
                     "pushes among them.",
                     hint="Set maxmemory-policy noeviction.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from django.core.signals import setting_changed
@@ -15,16 +16,22 @@ from redis.retry import Retry
 from counters.base import conf
 from counters.buffer.cluster import ClusterClient
 from counters.buffer.connections import (
+    HEALTH_CHECK_INTERVAL,
     TcpConnection,
     TlsConnection,
     UnixConnection,
     connection_class,
+    redis_scheme,
 )
+from counters.buffer.sentinel import sentinel_master
 from counters.buffer.store import Buffer
 
+#: What a client is made of: URL, socket timeout, cluster, sentinels, Sentinel service.
+ClientKey = tuple[str, float, bool, tuple[str, ...], str]
+
 _lock = threading.Lock()
-_clients: dict[tuple[str, float, bool], Redis | ClusterClient] = {}
-_buffers: dict[tuple[str, float, bool, str, int], Buffer] = {}
+_clients: dict[ClientKey, Redis | ClusterClient] = {}
+_buffers: dict[tuple[ClientKey, str, int], Buffer] = {}
 _current: dict[str, Buffer] = {}
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "TlsConnection",
     "UnixConnection",
     "buffer_prefix",
+    "client_key",
     "connection_class",
     "flushed_databases",
     "get_buffer",
@@ -41,39 +49,74 @@ __all__ = [
 
 
 def get_client(
-    url: str | None = None, timeout: float | None = None, cluster: bool | None = None
+    url: str | None = None,
+    timeout: float | None = None,
+    cluster: bool | None = None,
+    *,
+    sentinels: Sequence[str] | None = None,
+    service: str | None = None,
 ) -> Redis | ClusterClient:
     """A shared client for ``url`` (default: ``COUNTERS_REDIS_URL``).
 
     With ``cluster`` (default: ``COUNTERS_REDIS_CLUSTER``) the URL names nodes
     of a Redis Cluster, one or several comma-separated, and the client is a
-    :class:`~counters.buffer.cluster.ClusterClient`.
+    :class:`~counters.buffer.cluster.ClusterClient`. With ``sentinels``
+    (default: ``COUNTERS_REDIS_SENTINELS``) the client talks to the master that
+    the sentinels name for ``service`` (``COUNTERS_REDIS_SENTINEL_SERVICE``),
+    whichever it is now; the URL gives its credentials and database.
+    ``valkey://`` and ``valkeys://`` URLs are read as ``redis://`` and ``rediss://``.
 
     redis-py's own retries are off: every caller here decides itself whether a
     repeat is safe, and the write path must fall back quickly when Redis is down.
     """
-    url = url or conf.redis_url()
-    timeout = conf.socket_timeout() if timeout is None else timeout
-    cluster = conf.redis_cluster() if cluster is None else cluster
-    key = (url, timeout, cluster)
+    return _shared_client(client_key(url, timeout, cluster, sentinels, service))
+
+
+def _shared_client(key: ClientKey) -> Redis | ClusterClient:
     client = _clients.get(key)
     if client is None:
         with _lock:
             client = _clients.get(key)
             if client is None:
-                client = _clients[key] = _make_client(url, timeout, cluster)
+                client = _clients[key] = _make_client(*key)
     return client
 
 
-def _make_client(url: str, timeout: float, cluster: bool) -> Redis | ClusterClient:
+def client_key(
+    url: str | None = None,
+    timeout: float | None = None,
+    cluster: bool | None = None,
+    sentinels: Sequence[str] | None = None,
+    service: str | None = None,
+) -> ClientKey:
+    """The client's identity, each part missing read from its setting."""
+    return (
+        url or conf.redis_url(),
+        conf.socket_timeout() if timeout is None else timeout,
+        conf.redis_cluster() if cluster is None else cluster,
+        tuple(conf.redis_sentinels() if sentinels is None else sentinels),
+        service or conf.redis_sentinel_service(),
+    )
+
+
+def _make_client(
+    url: str, timeout: float, cluster: bool, sentinels: tuple[str, ...], service: str
+) -> Redis | ClusterClient:
+    if cluster and sentinels:
+        raise ValueError(
+            "COUNTERS_REDIS_CLUSTER and COUNTERS_REDIS_SENTINELS exclude each other: "
+            "a Redis Cluster fails over by itself"
+        )
     if cluster:
         return ClusterClient(url, timeout)
+    if sentinels:
+        return sentinel_master(sentinels, service, url, timeout)
     return Redis.from_url(
-        url,
+        redis_scheme(url),
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
-        health_check_interval=30,
+        health_check_interval=HEALTH_CHECK_INTERVAL,
         connection_class=connection_class(url),
     )
 
@@ -91,12 +134,12 @@ def get_buffer(using: str = DEFAULT_DB_ALIAS) -> Buffer:
     buffer = _current.get(using)
     if buffer is not None:
         return buffer
-    url, timeout, cluster = conf.redis_url(), conf.socket_timeout(), conf.redis_cluster()
+    client = client_key()
     prefix, shards = buffer_prefix(using), conf.shards()
-    key = (url, timeout, cluster, prefix, shards)
+    key = (client, prefix, shards)
     buffer = _buffers.get(key)
     if buffer is None:
-        buffer = _buffers[key] = Buffer(get_client(url, timeout, cluster), prefix, shards)
+        buffer = _buffers[key] = Buffer(_shared_client(client), prefix, shards)
     _current[using] = buffer
     return buffer
 

@@ -5,9 +5,18 @@ Integration tests use the real Redis at REDIS_URL and the configured database
 its own Redis key prefix, removed afterwards, so runs never see each other.
 
 A module that marks its tests with ``pytest.mark.usefixtures("redis_backend")``
-runs each of them twice: on that single Redis, and on a Redis Cluster of six
-redis-server processes that the suite starts once, at the first test that
-needs it (``-m "not redis_cluster"`` leaves the cluster runs out).
+runs each of them on that single Redis and on a Redis Cluster of six
+redis-server processes; in the folders that talk to Redis (:data:`SENTINEL_FOLDERS`)
+also through three sentinels watching a master and its replica
+(``COUNTERS_REDIS_SENTINELS``). The suite starts the cluster and the sentinel
+set once, at the first test that needs them (``-m "not redis_cluster"`` and
+``-m "not redis_sentinel"`` leave those runs out).
+
+``TALLY_REDIS_SERVER=valkey`` runs all of it on Valkey instead: the Redis at
+REDIS_URL is replaced by a ``valkey-server`` of the session, under a
+``valkey://`` URL, and every server the tests start (their own, the cluster's
+nodes, the sentinel set) is a ``valkey-server``; the backends' ids say
+``valkey``. ``make test-valkey`` runs the tests that talk to Redis that way.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ from django.db import connection
 
 import counters
 from counters import client as client_module
-from counters.base import conf
 from counters.buffer.cluster import ClusterClient
 from counters.write import sender
 from tests.redis_cluster import RedisCluster as RedisClusterServer
+from tests.redis_sentinel import SentinelSet
+from tests.redis_server import SERVER, RedisServer
 
 pytest.register_assert_rewrite("tests.helpers")
 
@@ -33,14 +43,31 @@ pytest.register_assert_rewrite("tests.helpers")
 SERIAL_FOLDERS = ("chaos", "e2e", "bench")
 
 
+#: Folders whose ``redis_backend`` tests also run through Sentinel: those that talk to Redis
+#: (and the flush command's). Elsewhere (the ORM capture of tracking/) the backend changes
+#: nothing a single Redis and a cluster do not already show.
+SENTINEL_FOLDERS = ("buffer", "flushing", "write", "read", "app")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark the tests of :data:`SERIAL_FOLDERS` ``serial``: ``make test`` runs them in a pass
-    of their own after the parallel one, so their timing never competes with other tests."""
+    of their own after the parallel one, so their timing never competes with other tests.
+    Leave out the Sentinel runs of ``redis_backend`` tests outside :data:`SENTINEL_FOLDERS`."""
     root = config.rootpath / "tests"
+    kept, dropped = [], []
     for item in items:
         parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
         if parts and parts[0] in SERIAL_FOLDERS:
             item.add_marker(pytest.mark.serial)
+        callspec = getattr(item, "callspec", None)
+        sentinel = callspec is not None and callspec.params.get("redis_backend") == "sentinel"
+        if sentinel and not (parts and parts[0] in SENTINEL_FOLDERS):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def is_postgres() -> bool:
@@ -62,17 +89,32 @@ def _delete_prefix(client, prefix: str) -> None:
         pipe.execute()
 
 
+@pytest.fixture(scope="session")
+def suite_redis_url() -> Iterator[str | None]:
+    """Under ``TALLY_REDIS_SERVER=valkey``: the URL of a valkey-server of this session (one
+    per xdist worker), which stands for the Redis at REDIS_URL, here and in subprocesses.
+    None on Redis: the suite uses REDIS_URL as it is."""
+    if SERVER == "redis":
+        yield None
+        return
+    with RedisServer() as server, pytest.MonkeyPatch.context() as patch:
+        url = f"valkey://127.0.0.1:{server.port}/0"
+        patch.setenv("REDIS_URL", url)
+        yield url
+
+
 @pytest.fixture(autouse=True)
-def counters_prefix(settings) -> Iterator[str]:
+def counters_prefix(settings, suite_redis_url) -> Iterator[str]:
     """A Redis key prefix of this test alone."""
+    if suite_redis_url is not None:
+        settings.REDIS_URL = suite_redis_url
     prefix = f"test-{uuid.uuid4().hex[:12]}"
     settings.COUNTERS_KEY_PREFIX = prefix
     yield prefix
     sender.reset()  # deltas a per-process sender still holds go to this test's prefix
-    key = (conf.redis_url(), conf.socket_timeout(), conf.redis_cluster())
-    client = client_module._clients.get(key)
-    if client is not None and not isinstance(client, fakeredis.FakeRedis):
-        with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # the test may have left settings a client refuses
+        client = client_module._clients.get(client_module.client_key())
+        if client is not None and not isinstance(client, fakeredis.FakeRedis):
             _delete_prefix(client, prefix)
 
 
@@ -86,18 +128,40 @@ def redis_cluster_server() -> Iterator[RedisClusterServer]:
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def redis_sentinel_set() -> Iterator[SentinelSet]:
+    """A master, its replica and three sentinels shared by the session, started at first use.
+
+    Tests that fail the master over start a set of their own. This one waits 30 s before it
+    deems the master down, so that a loaded machine never fails it over under a test.
+    """
+    with SentinelSet(down_after_ms=30_000) as sentinels:
+        yield sentinels
+
+
 @pytest.fixture(
     params=[
-        pytest.param("single", id="redis"),
-        pytest.param("cluster", id="cluster", marks=pytest.mark.redis_cluster),
+        pytest.param("single", id=SERVER),
+        pytest.param(
+            "cluster",
+            id="cluster" if SERVER == "redis" else f"{SERVER}-cluster",
+            marks=pytest.mark.redis_cluster,
+        ),
+        pytest.param("sentinel", id=f"{SERVER}-sentinel", marks=pytest.mark.redis_sentinel),
     ]
 )
 def redis_backend(request, settings) -> str:
-    """The test runs on the single Redis, then on the session's Redis Cluster."""
+    """The test runs on the single Redis, on the session's Redis Cluster, then through the
+    session's sentinels (on Valkey's under ``TALLY_REDIS_SERVER=valkey``)."""
     if request.param == "cluster":
         cluster = request.getfixturevalue("redis_cluster_server")
         settings.COUNTERS_REDIS_CLUSTER = True
         settings.COUNTERS_REDIS_URL = cluster.url
+    elif request.param == "sentinel":
+        sentinels = request.getfixturevalue("redis_sentinel_set")
+        settings.COUNTERS_REDIS_SENTINELS = sentinels.sentinels
+        settings.COUNTERS_REDIS_SENTINEL_SERVICE = sentinels.service
+        settings.COUNTERS_REDIS_URL = sentinels.url
     return request.param
 
 
@@ -115,7 +179,7 @@ def fake_redis(settings, monkeypatch) -> fakeredis.FakeRedis:
     url = "redis://fakeredis:6379/0"
     settings.COUNTERS_REDIS_URL = url
     client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    monkeypatch.setitem(client_module._clients, (url, conf.socket_timeout(), False), client)
+    monkeypatch.setitem(client_module._clients, client_module.client_key(url), client)
     return client
 
 
@@ -132,8 +196,6 @@ def make_user(django_user_model):
 @pytest.fixture
 def own_redis(settings):
     """A redis-server of this test alone, which the test may kill and restart."""
-    from tests.redis_server import RedisServer
-
     with RedisServer() as server:
         settings.COUNTERS_REDIS_URL = server.url
         yield server
@@ -142,8 +204,6 @@ def own_redis(settings):
 @pytest.fixture
 def snapshot_redis(settings, tmp_path):
     """Like ``own_redis``, with a data directory: the test may SAVE and restart from a snapshot."""
-    from tests.redis_server import RedisServer
-
     data_dir = tmp_path / "redis"
     data_dir.mkdir()
     with RedisServer(data_dir=data_dir) as server:

@@ -33,6 +33,34 @@ def assert_exact(*users, flush: bool = True) -> None:
             assert (user.pk, UnreadCounter.objects.get_count(user)) == (user.pk, truth(user))
 
 
+#: A Redis URL nothing answers at.
+UNREACHABLE = "redis://127.0.0.1:1/0"
+
+
+def cut_redis(settings, timeout: float = 0.2) -> dict[str, Any]:
+    """Point the buffer at a Redis that does not answer, whatever the test's backend (one
+    server, cluster nodes, or sentinels). Returns the settings as they were, for
+    :func:`restore_redis`."""
+    from counters.base import conf
+
+    saved = {
+        "COUNTERS_REDIS_URL": conf.redis_url(),
+        "COUNTERS_REDIS_SENTINELS": conf.redis_sentinels(),
+        "COUNTERS_SOCKET_TIMEOUT": conf.socket_timeout(),
+    }
+    settings.COUNTERS_REDIS_URL = UNREACHABLE
+    if saved["COUNTERS_REDIS_SENTINELS"]:
+        settings.COUNTERS_REDIS_SENTINELS = ["127.0.0.1:1"]
+    settings.COUNTERS_SOCKET_TIMEOUT = timeout
+    return saved
+
+
+def restore_redis(settings, saved: dict[str, Any]) -> None:
+    """The settings :func:`cut_redis` changed, back as they were (and the buffer with them)."""
+    for name, value in saved.items():
+        setattr(settings, name, value)
+
+
 def in_redis(user) -> int:
     """Pending plus in-flight deltas of the user's unread counter in Redis."""
     from counters.client import get_buffer

@@ -48,11 +48,14 @@ def project_env(*, application_name: str | None = None, **extra: str) -> dict[st
     for name in (
         "COUNTERS_REDIS_URL",
         "COUNTERS_REDIS_CLUSTER",
+        "COUNTERS_REDIS_SENTINELS",
+        "COUNTERS_REDIS_SENTINEL_SERVICE",
         "COUNTERS_SOCKET_TIMEOUT",
         "COUNTERS_BATCH_SIZE",
     ):
         if hasattr(settings, name):
-            env[name] = str(getattr(settings, name))
+            value = getattr(settings, name)
+            env[name] = ",".join(value) if isinstance(value, (list, tuple)) else str(value)
     env.update(extra)
     return env
 

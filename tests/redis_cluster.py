@@ -2,7 +2,9 @@
 
 Built the way an operator builds one: ``redis-server --cluster-enabled yes``
 per node, then ``redis-cli --cluster create … --cluster-replicas 1``. A test
-may SIGKILL a master and wait for its replica to be promoted.
+may SIGKILL a master and wait for its replica to be promoted. Under
+``TALLY_REDIS_SERVER=valkey`` (or ``kind="valkey"``) the nodes are
+``valkey-server`` processes, and ``valkey-cli`` creates the cluster.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from tests.redis_server import SERVER, binary
 
 NODES = 6
 
@@ -45,7 +49,10 @@ def _port(fields: list[str]) -> int:
 
 
 class RedisCluster:
-    def __init__(self, nodes: int = NODES, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, nodes: int = NODES, node_timeout_ms: int = 1000, kind: str | None = None
+    ) -> None:
+        self.kind = kind or SERVER
         self.ports: list[int] = []
         while len(self.ports) < nodes:
             port = cluster_port()
@@ -61,14 +68,11 @@ class RedisCluster:
         return ",".join(f"redis://127.0.0.1:{port}/0" for port in self.ports)
 
     def _start_node(self, port: int) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed")
         node_dir = self.dir / str(port)
         node_dir.mkdir(exist_ok=True)
         self.procs[port] = subprocess.Popen(
             [
-                binary,
+                binary("server", self.kind),
                 "--port", str(port),
                 "--bind", "127.0.0.1",
                 "--cluster-enabled", "yes",
@@ -100,7 +104,7 @@ class RedisCluster:
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
         subprocess.run(
             [
-                "redis-cli",
+                binary("cli", self.kind),
                 "--cluster",
                 "create",
                 *nodes,
@@ -190,7 +194,7 @@ class RedisCluster:
         """The fields of every line of CLUSTER NODES, as a live node sees them."""
         live = next(p for p, proc in self.procs.items() if proc.poll() is None)
         out = subprocess.run(
-            ["redis-cli", "-p", str(live), "cluster", "nodes"],
+            [binary("cli", self.kind), "-p", str(live), "cluster", "nodes"],
             check=True,
             capture_output=True,
             text=True,

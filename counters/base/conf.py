@@ -40,6 +40,21 @@ SETTINGS: dict[str, Setting] = {
             "COUNTERS_REDIS_URL names a Redis Cluster: any node, or several node URLs "
             "comma-separated (a process finds the cluster if one of them answers).",
         ),
+        Setting(
+            "COUNTERS_REDIS_SENTINELS",
+            list,
+            None,
+            "Redis Sentinel: the sentinels to ask for the master of "
+            "COUNTERS_REDIS_SENTINEL_SERVICE, a list of host:port (or a comma-separated string "
+            "in the environment). COUNTERS_REDIS_URL then gives only the scheme, credentials "
+            "and database of the master. Default: no Sentinel.",
+        ),
+        Setting(
+            "COUNTERS_REDIS_SENTINEL_SERVICE",
+            str,
+            "mymaster",
+            "With COUNTERS_REDIS_SENTINELS, the name the sentinels monitor the master under.",
+        ),
         Setting("COUNTERS_KEY_PREFIX", str, "counters", "Prefix of every Redis key Tally writes."),
         Setting(
             "COUNTERS_SHARDS",
@@ -212,6 +227,27 @@ def redis_url() -> str:
 
 def redis_cluster() -> bool:
     return bool(get("COUNTERS_REDIS_CLUSTER"))
+
+
+def redis_where() -> str:
+    """Where the buffer's Redis is looked for, for messages: its URL, or with Sentinel the
+    service and the sentinels that name its master."""
+    try:
+        sentinels = redis_sentinels()
+    except (TypeError, ValueError):  # a bad setting: counters.E080 names it
+        sentinels = []
+    if not sentinels:
+        return redis_url()
+    return f"{redis_sentinel_service()!r} via sentinels {','.join(sentinels)}"
+
+
+def redis_sentinels() -> list[str]:
+    """``COUNTERS_REDIS_SENTINELS``: the sentinels' addresses, empty when Sentinel is not used."""
+    return get("COUNTERS_REDIS_SENTINELS") or []
+
+
+def redis_sentinel_service() -> str:
+    return get("COUNTERS_REDIS_SENTINEL_SERVICE")
 
 
 def key_prefix() -> str:

@@ -35,20 +35,23 @@ from redis.retry import Retry
 from redis.typing import ScriptTextT
 
 from counters.base.exceptions import NotConnected
-from counters.buffer.connections import TcpConnection, TlsConnection
+from counters.buffer.connections import (
+    HEALTH_CHECK_INTERVAL,
+    TcpConnection,
+    TlsConnection,
+    redis_scheme,
+)
 from counters.buffer.pipelines import NodePipeline, RedisCommand, Sending
 
 logger = logging.getLogger(__name__)
-
-#: Seconds a pooled connection may sit idle before a PING checks it, before the command.
-HEALTH_CHECK_INTERVAL = 30
 
 #: The client of the buffer: one Redis, or a Redis Cluster.
 Client: TypeAlias = "Redis | ClusterClient"
 
 
 def node_urls(url: str) -> list[str]:
-    """The node URLs in ``url``: one ``redis://`` or ``rediss://`` URL, or several, comma-separated.
+    """The node URLs in ``url``: one ``redis://`` or ``rediss://`` URL, or several, comma-separated
+    (``valkey://`` and ``valkeys://`` are returned as ``redis://`` and ``rediss://``).
 
     Raises ValueError for a URL a cluster node cannot have.
     """
@@ -56,14 +59,15 @@ def node_urls(url: str) -> list[str]:
     if not urls:
         raise ValueError("COUNTERS_REDIS_URL names no Redis Cluster node")
     for node in urls:
-        scheme = node.partition("://")[0].lower()
+        scheme = redis_scheme(node).partition("://")[0].lower()
         if scheme not in ("redis", "rediss"):
             raise ValueError(
-                f"a Redis Cluster node needs a redis:// or rediss:// URL, got {node!r}"
+                "a Redis Cluster node needs a redis:// or rediss:// URL (or valkey://, "
+                f"valkeys://), got {node!r}"
             )
-        if int(parse_url(node).get("db") or 0) != 0:
+        if int(parse_url(redis_scheme(node)).get("db") or 0) != 0:
             raise ValueError(f"a Redis Cluster has database 0 only, got {node!r}")
-    return urls
+    return [redis_scheme(node) for node in urls]
 
 
 class NodePool(ConnectionPool):

@@ -125,7 +125,7 @@ def start_run(using: str, parallelism: int) -> FlushRun:
         _write(buffer, record, replace=True)
         _record_dispatch(buffer, run)
     except RedisError as exc:
-        raise BufferUnavailable(conf.redis_url(), exc) from exc
+        raise BufferUnavailable(conf.redis_where(), exc) from exc
     return run
 
 
@@ -183,7 +183,7 @@ def flush_part(
         result.rebuild_needed_since = needed_since(buffer, using)
         record_part(buffer, run, index, parts, chosen, result)
     except RedisError as exc:
-        raise BufferUnavailable(conf.redis_url(), exc) from exc
+        raise BufferUnavailable(conf.redis_where(), exc) from exc
     if result.failed_shards:
         raise FlushFailed(result, result.failed_shards)
     return result
@@ -201,7 +201,7 @@ def finish_run(run: FlushRun) -> FlushResult:
         repair_and_rebuild(buffer, run.using, result, lambda: _record_dispatch(buffer, run))
         _record_dispatch(buffer, run)
     except RedisError as exc:
-        raise BufferUnavailable(conf.redis_url(), exc) from exc
+        raise BufferUnavailable(conf.redis_where(), exc) from exc
     return result
 
 

@@ -131,7 +131,7 @@ def _flush_one(
         repair_and_rebuild(buffer, using, result, lambda: record_flush(buffer, result))
         record_flush(buffer, result)
     except RedisError as exc:
-        raise BufferUnavailable(conf.redis_url(), exc) from exc
+        raise BufferUnavailable(conf.redis_where(), exc) from exc
     return result
 
 

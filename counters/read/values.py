@@ -148,7 +148,7 @@ def get_parts(
         try:
             snap, rows = _consistent_reading(buffer, spec, members, using)
         except RedisError as exc:
-            raise BufferUnavailable(conf.redis_url(), exc) from exc
+            raise BufferUnavailable(conf.redis_where(), exc) from exc
         _add_queued(own, members, queue)
     twice = _counted_twice(buffer, snap, rows)
     parts = {}

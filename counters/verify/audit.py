@@ -187,7 +187,7 @@ def audit(
     try:
         _audit_slices(buffer, result, specs, slice_size, confirm_delay)
     except RedisError as exc:
-        raise BufferUnavailable(conf.redis_url(), exc) from exc
+        raise BufferUnavailable(conf.redis_where(), exc) from exc
     finally:
         result.seconds = time.monotonic() - started
     return result

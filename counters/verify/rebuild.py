@@ -236,7 +236,7 @@ def rebuild_all(
                     reports.append(report)
                     negatives.queue(buffer, spec.name, report.unstable)
     except RedisError as exc:
-        raise BufferUnavailable(conf.redis_url(), exc) from exc
+        raise BufferUnavailable(conf.redis_where(), exc) from exc
     if clear_rebuild_needed(buffer.prefix, started, using):
         logger.warning(
             "full rebuild complete: the Redis data loss of prefix %r is repaired", buffer.prefix

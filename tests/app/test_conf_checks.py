@@ -26,6 +26,8 @@ def clean_config(settings, monkeypatch):
 DEFAULTS = {
     "COUNTERS_REDIS_URL": None,
     "COUNTERS_REDIS_CLUSTER": False,
+    "COUNTERS_REDIS_SENTINELS": None,
+    "COUNTERS_REDIS_SENTINEL_SERVICE": "mymaster",
     "COUNTERS_KEY_PREFIX": "counters",
     "COUNTERS_SHARDS": 16,
     "COUNTERS_BATCH_SIZE": 5000,
@@ -181,6 +183,8 @@ def test_valid_configuration_has_no_errors(settings):
     assert check_settings() == []
     settings.COUNTERS_REDIS_URL = "rediss://cache:6380/1"
     assert check_settings() == []
+    settings.COUNTERS_REDIS_URL = "valkeys://cache:6380/1"
+    assert check_settings() == []
 
 
 @pytest.mark.parametrize(
@@ -222,6 +226,8 @@ def test_every_positive_check_has_its_own_id():
     assert set(POSITIVE) == set(conf.SETTINGS) - {
         "COUNTERS_REDIS_URL",
         "COUNTERS_REDIS_CLUSTER",
+        "COUNTERS_REDIS_SENTINELS",  # host:port entries: E080
+        "COUNTERS_REDIS_SENTINEL_SERVICE",  # a name: E081
         "COUNTERS_KEY_PREFIX",
         "COUNTERS_AUTO_REBUILD",
         "COUNTERS_DATABASES",

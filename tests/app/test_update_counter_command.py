@@ -50,7 +50,10 @@ def test_flush_command_json_output(make_user):
     ("env", "expected"),
     [
         pytest.param(
-            {"COUNTERS_REDIS_URL": "redis://127.0.0.1:1/0"}, "Redis unreachable", id="redis"
+            # no sentinels either: nothing answers, whatever the backend of the test
+            {"COUNTERS_REDIS_URL": "redis://127.0.0.1:1/0", "COUNTERS_REDIS_SENTINELS": ""},
+            "Redis unreachable",
+            id="redis",
         ),
         pytest.param(
             {"DATABASE_URL": "postgres://postgres@127.0.0.1:1/nowhere"},

@@ -21,6 +21,7 @@ from django.conf import settings
 from django.db import connection
 from django.db.models import F
 
+from counters.buffer.connections import redis_scheme
 from counters.models import AuditRepair, FlushBatch
 from counters.ops.schedule import ensure_audit_task, ensure_periodic_task
 from notifications.models import Notification, UnreadCounter
@@ -45,7 +46,9 @@ pytestmark = [
 
 
 def broker_url() -> str:
-    base, _, _ = settings.REDIS_URL.rpartition("/")
+    """Database BROKER_DB of the Redis at REDIS_URL (a valkey:// URL written redis://, as
+    Celery reads it)."""
+    base, _, _ = redis_scheme(settings.REDIS_URL).rpartition("/")
     return f"{base}/{BROKER_DB}"
 
 

@@ -26,6 +26,7 @@ import redis
 from celery import Celery
 from django.conf import settings
 
+from counters.buffer.connections import redis_scheme
 from notifications.models import Notification
 from tests.helpers import stored, truth
 from tests.metrics_scrape import Scrape
@@ -50,7 +51,9 @@ pytestmark = [
 
 
 def broker_url() -> str:
-    base, _, _ = settings.REDIS_URL.rpartition("/")
+    """Database BROKER_DB of the Redis at REDIS_URL (a valkey:// URL written redis://, as
+    Celery reads it)."""
+    base, _, _ = redis_scheme(settings.REDIS_URL).rpartition("/")
     return f"{base}/{BROKER_DB}"
 
 

@@ -17,7 +17,7 @@ from counters.models import FlushBatch
 from counters.verify.audit import audit
 from counters.write import sender
 from notifications.models import Notification, UnreadCounter
-from tests.helpers import assert_exact, in_redis, stored, truth
+from tests.helpers import assert_exact, cut_redis, in_redis, stored, truth
 from tests.procs import ROOT, project_env
 from tests.redis_server import free_port
 
@@ -122,8 +122,7 @@ def test_reads_under_concurrent_commits_never_count_a_delta_twice_or_miss_one(se
 
 
 def test_redis_down_the_batch_goes_to_the_db_in_one_write(settings, delay, make_user):
-    settings.COUNTERS_REDIS_URL = "redis://127.0.0.1:1/0"
-    settings.COUNTERS_SOCKET_TIMEOUT = 0.2
+    cut_redis(settings)
     alice = make_user()
     fallbacks = FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK)
     for i in range(3):

@@ -10,7 +10,7 @@ from django.db import connection, transaction
 
 import counters
 from notifications.models import Notification, UnreadCounter
-from tests.helpers import assert_exact, stored, truth
+from tests.helpers import assert_exact, cut_redis, restore_redis, stored, truth
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -164,8 +164,7 @@ def test_reads_include_own_changes_while_redis_is_down(make_user, settings):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="committed")
     counters.flush()
-    settings.COUNTERS_REDIS_URL = "redis://127.0.0.1:1/0"
-    settings.COUNTERS_SOCKET_TIMEOUT = 0.2
+    cut_redis(settings)
     with transaction.atomic():
         Notification.objects.create(recipient=alice, verb="mine")
         assert UnreadCounter.objects.get_count(alice) == truth(alice) == 2
@@ -191,13 +190,9 @@ def test_atomic_request_answers_with_its_own_change(client, make_user, settings)
 
 
 def test_manual_commit_with_redis_down_writes_its_own_transaction(manual, make_user, settings):
-    from counters.base import conf
-
     alice = make_user()
     transaction.commit()
-    redis_url = conf.redis_url()
-    settings.COUNTERS_REDIS_URL = "redis://127.0.0.1:1/0"
-    settings.COUNTERS_SOCKET_TIMEOUT = 0.2
+    saved = cut_redis(settings)
     Notification.objects.create(recipient=alice, verb="a")
     Notification.objects.create(recipient=alice, verb="b")
     transaction.commit()  # the push fails: the deltas go to the row, committed on their own
@@ -205,7 +200,7 @@ def test_manual_commit_with_redis_down_writes_its_own_transaction(manual, make_u
     Notification.objects.create(recipient=alice, verb="rolled back")
     transaction.rollback()  # the caller's next transaction is its own
     assert (truth(alice), stored(alice)) == (2, 2)
-    settings.COUNTERS_REDIS_URL = redis_url
+    restore_redis(settings, saved)
     transaction.rollback()  # end the reads' transaction
     transaction.set_autocommit(True)
     assert_exact(alice)

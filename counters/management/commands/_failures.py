@@ -35,7 +35,7 @@ def describe(exc: BaseException) -> str:
     elif isinstance(exc, DatabaseError):
         text = f"database error: {line}"
     elif isinstance(exc, RedisError):
-        text = first_line(BufferUnavailable(conf.redis_url(), exc))
+        text = first_line(BufferUnavailable(conf.redis_where(), exc))
     else:
         text = f"{type(exc).__name__}: {line}"
     return text[:LINE_LIMIT]

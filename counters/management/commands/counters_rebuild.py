@@ -208,7 +208,7 @@ class Command(OneLineFailures):
 
                 return run(page_done, lease.fence)
         except RedisError as exc:
-            raise BufferUnavailable(conf.redis_url(), exc) from exc
+            raise BufferUnavailable(conf.redis_where(), exc) from exc
 
     def report(self, reports: list[RebuildReport], as_json: bool) -> None:
         if as_json:

@@ -47,7 +47,7 @@ class Command(OneLineFailures):
             try:
                 status = gather(buffer, using)
             except RedisError as exc:
-                error = first_line(BufferUnavailable(conf.redis_url(), exc))
+                error = first_line(BufferUnavailable(conf.redis_where(), exc))
                 status = gather_without_redis(buffer, error[:500], using)
         except Exception as exc:
             if options["json"]:  # JSON always: the error, and which side failed
