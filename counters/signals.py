@@ -7,7 +7,8 @@ connected by ``counters.track()`` (:func:`counters.tracking.routes.install_track
 
 from __future__ import annotations
 
-from celery.signals import worker_process_shutdown, worker_shutdown
+from celery.signals import task_postrun, worker_process_shutdown, worker_shutdown
+from django.core.signals import request_started
 from django.db import connections
 from django.db.backends.signals import connection_created
 from django.db.models.signals import post_migrate
@@ -15,7 +16,7 @@ from django.db.models.signals import post_migrate
 from counters.base import metrics
 from counters.ops import schedule
 from counters.tracking import counting
-from counters.write import sender, transactions
+from counters.write import acks, sender, transactions
 
 
 def connect_signals(app_config) -> None:
@@ -46,3 +47,7 @@ def connect_signals(app_config) -> None:
         sender.drain_on_signal, dispatch_uid="counters.write.sender.child"
     )
     worker_shutdown.connect(sender.drain_on_signal, dispatch_uid="counters.write.sender.worker")
+    # Pushes acknowledged later (COUNTERS_DEFER_ACKS): a web process without the
+    # middleware waits on them; a Celery task's are acknowledged when it ends.
+    request_started.connect(acks.request_started, dispatch_uid="counters.write.acks.request")
+    task_postrun.connect(acks.task_ended, dispatch_uid="counters.write.acks.task")
