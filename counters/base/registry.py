@@ -148,15 +148,15 @@ class CounterSpec:
             return None
         low, high = -(2**63), 2**63 - 1
         for check in self._bounds:
+            if not isinstance(check, validators.MinValueValidator | validators.MaxValueValidator):
+                return None
             limit = check.limit_value
             if isinstance(limit, bool) or not isinstance(limit, int):
                 return None
             if isinstance(check, validators.MinValueValidator):
                 low = max(low, limit)
-            elif isinstance(check, validators.MaxValueValidator):
-                high = min(high, limit)
             else:
-                return None
+                high = min(high, limit)
         return low, high
 
     def member(self, key: Any) -> str:

@@ -56,10 +56,10 @@ class Line:
         client = buffer.client
         if not isinstance(client, Redis):
             raise TypeError("a line needs a plain Redis client (not a cluster)")
-        pool = client.connection_pool
-        # No health-check PING: its reply would be read in place of a push's.
-        kwargs = {**pool.connection_kwargs, "health_check_interval": 0}
-        self.connection = pool.connection_class(**kwargs)
+        # A connection of the client's pool, outside it: the pool's class and settings (a
+        # Sentinel pool's connection asks it for the master). The line never sends through
+        # it, so no health-check PING's reply can come in place of a push's.
+        self.connection: Any = client.connection_pool.make_connection()
         self.sha: str = buffer._push.sha
         #: Pushes written whose replies are not read yet, oldest first.
         self.unread: deque[PushPlan] = deque()

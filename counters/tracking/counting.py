@@ -119,10 +119,7 @@ def needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) ->
 def _has_expression(obj: models.Model) -> bool:
     """Whether a tracked value of ``obj`` is an expression (a deferred field is none)."""
     values = obj.__dict__
-    for attname in tracked_attnames(type(obj)):
-        if is_expression(values.get(attname)):
-            return True
-    return False
+    return any(is_expression(values.get(attname)) for attname in tracked_attnames(type(obj)))
 
 
 def _may_update(obj: models.Model, model: type[models.Model], force_insert: bool) -> bool:
