@@ -6,6 +6,7 @@ import math
 import os
 from typing import Any
 
+from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from redis import RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -61,6 +62,7 @@ def check_settings(app_configs=None, **kwargs):
             )
     errors += check_audit_interval()
     errors += check_durable()
+    errors += _boolean("COUNTERS_DEFER_ACKS", "counters.E026")
     errors += check_send_delay()
     errors += check_audit_window()
     prefix = conf.get("COUNTERS_KEY_PREFIX")
@@ -173,20 +175,25 @@ def check_audit_interval() -> list[CheckMessage]:
     return []
 
 
-def check_durable() -> list[CheckMessage]:
-    """E023: COUNTERS_DURABLE a boolean; E024/E025: COUNTERS_OUTBOX_GRACE in range."""
-    errors: list[CheckMessage] = []
-    raw = conf.raw("COUNTERS_DURABLE")
-    if not isinstance(raw, bool) and not (
+def _boolean(name: str, check_id: str) -> list[CheckMessage]:
+    """An error if setting ``name`` is not a boolean (nor a boolean word in the environment)."""
+    raw = conf.raw(name)
+    if isinstance(raw, bool) or (
         isinstance(raw, str) and raw.strip().lower() in conf.TRUE_WORDS | conf.FALSE_WORDS
     ):
-        errors.append(
-            Error(
-                f"COUNTERS_DURABLE must be a boolean (True/False, or 1/0, true/false, yes/no, "
-                f"on/off in the environment), got {raw!r}.",
-                id="counters.E023",
-            )
+        return []
+    return [
+        Error(
+            f"{name} must be a boolean (True/False, or 1/0, true/false, yes/no, "
+            f"on/off in the environment), got {raw!r}.",
+            id=check_id,
         )
+    ]
+
+
+def check_durable() -> list[CheckMessage]:
+    """E023: COUNTERS_DURABLE a boolean; E024/E025: COUNTERS_OUTBOX_GRACE in range."""
+    errors = _boolean("COUNTERS_DURABLE", "counters.E023")
     name = "COUNTERS_OUTBOX_GRACE"
     grace, invalid = _number(name, "counters.E024")
     if invalid:
@@ -423,3 +430,33 @@ def check_routes(app_configs=None, **kwargs):
                 )
             )
     return messages
+
+
+ACKNOWLEDGE_MIDDLEWARE = "counters.middleware.AcknowledgeMiddleware"
+
+
+@register("counters")
+def check_acknowledge_middleware(app_configs=None, **kwargs):
+    """W003: deferred acknowledgements without the middleware; W004: the middleware not first."""
+    if not conf.get("COUNTERS_DEFER_ACKS"):
+        return []
+    middleware = list(getattr(settings, "MIDDLEWARE", None) or [])
+    if ACKNOWLEDGE_MIDDLEWARE not in middleware:
+        return [
+            Warning(
+                f"COUNTERS_DEFER_ACKS is on but {ACKNOWLEDGE_MIDDLEWARE} is not in MIDDLEWARE: "
+                "a process serving requests waits for the reply of every push.",
+                hint=f"Add {ACKNOWLEDGE_MIDDLEWARE!r} first in MIDDLEWARE.",
+                id="counters.W003",
+            )
+        ]
+    if middleware[0] != ACKNOWLEDGE_MIDDLEWARE:
+        return [
+            Warning(
+                f"{ACKNOWLEDGE_MIDDLEWARE} is not first in MIDDLEWARE: a change committed by "
+                "a middleware listed before it may be unacknowledged when its response leaves.",
+                hint="Put it first, so it runs after every other middleware.",
+                id="counters.W004",
+            )
+        ]
+    return []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from django.core.signals import request_started
 from django.db import connections
 from django.db.backends.signals import connection_created
 from django.db.models.signals import post_migrate
@@ -16,7 +17,7 @@ from django.db.models.signals import post_migrate
 from counters.base import metrics
 from counters.ops import schedule
 from counters.tracking import counting
-from counters.write import sender, transactions
+from counters.write import acks, sender, transactions
 
 celery_signals: ModuleType | None
 try:
@@ -43,6 +44,9 @@ def connect_signals(app_config) -> None:
     for conn in connections.all(initialized_only=True):
         transactions.follow(conn)
     counting.rows_changed.connect(counting.count_rows, dispatch_uid="counters.count_rows")
+    # Pushes acknowledged later (COUNTERS_DEFER_ACKS): a web process serving requests
+    # without the middleware waits on them.
+    request_started.connect(acks.request_started, dispatch_uid="counters.write.acks.request")
     if celery_signals is not None:
         _connect_celery(celery_signals)
 
@@ -63,3 +67,5 @@ def _connect_celery(celery: ModuleType) -> None:
     celery.worker_shutdown.connect(
         sender.drain_on_signal, dispatch_uid="counters.write.sender.worker"
     )
+    # A task's pushes are acknowledged when it ends (COUNTERS_DEFER_ACKS).
+    celery.task_postrun.connect(acks.task_ended, dispatch_uid="counters.write.acks.task")

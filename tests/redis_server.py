@@ -168,6 +168,16 @@ class RedisServer:
         shutil.copyfile(snapshot, self.data_dir / "dump.rdb")
         self.start()
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections and data but answers nothing."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT: the server runs again, the commands it was sent meanwhile first."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL: the server dies with everything it held in memory."""
         if self.proc is not None and self.proc.poll() is None:

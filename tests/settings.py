@@ -32,5 +32,11 @@ else:
 # a test did not ask for). Tests of several databases set this themselves.
 COUNTERS_DATABASES = ["default"]
 
+# The fault injections of the suite patch the push a COMMIT waits on (Buffer.push,
+# Buffer._run). The deferred acknowledgements (the default) have tests of their own, with
+# real Redis servers killed and stopped (tests/write/test_acks.py), and run in every
+# process the tests start (config.settings): the chaos suite, e2e, web.
+COUNTERS_DEFER_ACKS = False
+
 # The counters app's own test app: a blog counting its comments with counters.track().
 INSTALLED_APPS = [*INSTALLED_APPS, "tests.blog"]

@@ -4,6 +4,11 @@ Lookup order for each name: the Django setting, then an environment variable
 of the same name, then the default below. Reading at call time means
 ``override_settings`` and changed environments take effect without a restart
 of anything but the process that reads them.
+
+The few settings every counted write reads (:func:`write_switches`) are the
+exception: they are parsed once and kept until Django's ``setting_changed``
+(``override_settings``, pytest-django's ``settings``) says a ``COUNTERS_*``
+setting changed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings as django_settings
+from django.core.signals import setting_changed
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,15 @@ SETTINGS: dict[str, Setting] = {
             int,
             500,
             "With COUNTERS_SEND_DELAY_MS, commits that make the sender push at once.",
+        ),
+        Setting(
+            "COUNTERS_DEFER_ACKS",
+            bool,
+            True,
+            "A committed push is written to Redis and its reply read later: by the next "
+            "push, before any read of a counter in the process, before the request's "
+            "response is returned (counters.middleware.AcknowledgeMiddleware) or within "
+            "50 ms. Off: every COMMIT waits for its push's reply.",
         ),
         Setting(
             "COUNTERS_AUDIT_INTERVAL",
@@ -308,6 +323,10 @@ def send_batch() -> int:
     return get("COUNTERS_SEND_BATCH")
 
 
+def defer_acks() -> bool:
+    return get("COUNTERS_DEFER_ACKS")
+
+
 def audit_interval() -> int:
     """Seconds between periodic audits; 0 when the periodic audit is off (0 or None)."""
     return get("COUNTERS_AUDIT_INTERVAL") or 0
@@ -335,3 +354,44 @@ def raw(name: str) -> Any:
     if value is _MISSING:
         value = os.environ.get(name, SETTINGS[name].default)
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSwitches:
+    """The settings a counted write reads, parsed once (see :func:`write_switches`)."""
+
+    durable: bool
+    send_delay: float
+    defer_acks: bool
+
+
+_switches: WriteSwitches | None = None
+
+
+def write_switches() -> WriteSwitches:
+    """``COUNTERS_DURABLE``, ``COUNTERS_SEND_DELAY_MS`` (as seconds) and ``COUNTERS_DEFER_ACKS``.
+
+    Read once and kept: a counted write reads them each time, and reading a
+    setting costs microseconds (a missing Django setting raises inside
+    ``getattr``, then the environment is searched). ``setting_changed`` drops
+    them; a process that changes its environment at run time does not see it here.
+    """
+    switches = _switches
+    if switches is None:
+        switches = _read_switches()
+    return switches
+
+
+def _read_switches() -> WriteSwitches:
+    global _switches
+    _switches = WriteSwitches(durable(), send_delay(), defer_acks())
+    return _switches
+
+
+def _forget_switches(setting: str, **kwargs: Any) -> None:
+    global _switches
+    if setting.startswith("COUNTERS_"):
+        _switches = None
+
+
+setting_changed.connect(_forget_switches, dispatch_uid="counters.base.conf.switches")

@@ -138,8 +138,37 @@ class CounterSpec:
             )
         return value
 
+    @cached_property
+    def _int_range(self) -> tuple[int, int] | None:
+        """``(lowest, highest)`` key of an integer key field whose only bounds are those,
+        for :meth:`member`'s shortcut; None when :meth:`normalize` must decide."""
+        field = self.key_model_field
+        target = target_field(field) if field.is_relation else field
+        if not isinstance(target, models.IntegerField):
+            return None
+        low, high = -(2**63), 2**63 - 1
+        for check in self._bounds:
+            if not isinstance(check, validators.MinValueValidator | validators.MaxValueValidator):
+                return None
+            limit = check.limit_value
+            if isinstance(limit, bool) or not isinstance(limit, int):
+                return None
+            if isinstance(check, validators.MinValueValidator):
+                low = max(low, limit)
+            else:
+                high = min(high, limit)
+        return low, high
+
     def member(self, key: Any) -> str:
-        """The Redis member of ``key`` (normalised first; see :meth:`normalize`)."""
+        """The Redis member of ``key`` (normalised first; see :meth:`normalize`).
+
+        An ``int`` within the bounds of an integer key field is its own
+        normal form: it is used as is, without the validators' calls.
+        """
+        if type(key) is int:
+            bounds = self._int_range
+            if bounds is not None and bounds[0] <= key <= bounds[1]:
+                return f"{self.name}:{key}"
         return f"{self.name}:{self.normalize(key)}"
 
 

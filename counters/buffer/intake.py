@@ -11,8 +11,8 @@ never will.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from zlib import crc32
 
 from redis.commands.core import Script
 
@@ -28,6 +28,8 @@ PUSH_MAX_AGE_MS = 30_000
 #: How long a writer's high-water mark is kept after its last push or fence; longer than
 #: PUSH_MAX_AGE_MS plus the time a flush needs to fence the pushes of fallback writes.
 PUSH_MARKER_TTL_MS = 180_000
+#: The (shard, writer) keys of pushes kept for the next push of the same writer.
+PUSH_KEYS_CACHED = 4096
 
 
 class Intake(Keyspace):
@@ -52,38 +54,57 @@ class Intake(Keyspace):
         those members. The caller applies them elsewhere and pushes the rest
         again with the same id, which completes the refused shards only.
         """
+        plan = self.plan_push(deltas, push_id)
+        replies = self._run(self._push, plan.calls) if plan.calls else []
+        return plan.outcome(replies)
+
+    def plan_push(self, deltas: Mapping[str, int], push_id: PushId | str) -> PushPlan:
+        """The scripts :meth:`push` runs for ``deltas`` (one per shard), to send now or later.
+
+        :meth:`PushPlan.outcome` reads their replies as :meth:`push` does.
+        """
         pid = PushId.of(push_id)
-        groups: dict[int, list[str | int]] = defaultdict(list)
+        groups: dict[int, list[str | int]] = {}
         refused: dict[str, int] = {}
+        shards = self.shards
         for member, delta in deltas.items():
             if not delta:
                 continue
             if abs(delta) >= SCORE_LIMIT:
                 refused[member] = int(delta)
-            else:
-                groups[self.shard_of(member)].extend((member, int(delta)))
-        changed: set[int] = set()
-        if groups:
-            now_ms = int(time.time() * 1000)
-            calls = [
-                (
-                    [
-                        self.key(shard, "pending"),
-                        self.writer_key(shard, pid.writer),
-                        self.key(shard, "since"),
-                    ],
-                    [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, pid.seq, *args],
-                )
-                for shard, args in groups.items()
-            ]
-            replies = self._run(self._push, calls)
-            codes = _push_codes(groups, replies, deltas, refused)
-            if 2 in codes:
-                raise StalePush(str(push_id))
-            changed = {shard for shard, code in zip(groups, codes, strict=True) if code == 1}
-        if refused:
-            raise ScoreLimitExceeded(str(push_id), refused, changed)
-        return changed
+                continue
+            shard = crc32(member.encode()) % shards  # keyspace.shard_of, inlined
+            args = groups.get(shard)
+            if args is None:
+                args = groups[shard] = []
+            args += (member, int(delta))
+        now_ms = int(time.time() * 1000)
+        writer, seq = pid.writer, pid.seq
+        calls = [
+            (
+                self._push_keys(shard, writer),
+                [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, seq, *args],
+            )
+            for shard, args in groups.items()
+        ]
+        return PushPlan(push_id, deltas, groups, refused, calls)
+
+    def _push_keys(self, shard: int, writer: str) -> list[str]:
+        """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since.
+
+        Kept per (shard, writer): a process pushes with a few writers (its pool).
+        """
+        cache = self._push_keys_cache
+        keys = cache.get((shard, writer))
+        if keys is None:
+            if len(cache) >= PUSH_KEYS_CACHED:
+                cache.clear()  # retired writers' keys
+            keys = cache[(shard, writer)] = (
+                f"{self.prefix}:{{s{shard}}}:pending",
+                f"{self.prefix}:{{s{shard}}}:w:{writer}",
+                f"{self.prefix}:{{s{shard}}}:since",
+            )
+        return list(keys)
 
     def fence(self, members: Iterable[str], push_id: PushId | str) -> set[int]:
         """Make push ``push_id`` of ``members`` unable to apply from now on.
@@ -107,6 +128,52 @@ class Intake(Keyspace):
         if any(reply not in (0, 1) for reply in replies):
             raise UnexpectedScriptReply("FENCE_SCRIPT", replies)
         return {shard for shard, reply in zip(shards, replies, strict=True) if reply == 1}
+
+
+class PushPlan:
+    """One push as the scripts to run, one per shard (see :meth:`Intake.plan_push`)."""
+
+    __slots__ = ("calls", "deltas", "groups", "push_id", "refused")
+
+    def __init__(
+        self,
+        push_id: PushId | str,
+        deltas: Mapping[str, int],
+        groups: Mapping[int, list[str | int]],
+        refused: dict[str, int],
+        calls: list[tuple[list, list]],
+    ) -> None:
+        self.push_id = push_id
+        self.deltas = deltas
+        self.groups = groups
+        #: Members whose delta alone reaches the score limit: never sent.
+        self.refused = refused
+        #: ``(keys, args)`` of the push script, in the order of ``groups``.
+        self.calls = calls
+
+    def check(self, replies: list) -> None:
+        """:meth:`outcome`, for a caller that needs only its exceptions."""
+        calls = len(self.calls)
+        if self.refused or len(replies) != calls or replies.count(1) != calls:  # not all added
+            self.outcome(replies)
+
+    def outcome(self, replies: list) -> set[int]:
+        """What :meth:`Intake.push` returns or raises, given the replies to :attr:`calls`.
+
+        The shards the push changed; :class:`StalePush` if a shard refused it as delivered
+        late, :class:`ScoreLimitExceeded` (with the shards it changed) if some members
+        were refused as too large.
+        """
+        changed: set[int] = set()
+        refused = dict(self.refused)
+        if self.groups:
+            codes = _push_codes(self.groups, replies, self.deltas, refused)
+            if 2 in codes:
+                raise StalePush(str(self.push_id))
+            changed = {shard for shard, code in zip(self.groups, codes, strict=True) if code == 1}
+        if refused:
+            raise ScoreLimitExceeded(str(self.push_id), refused, changed)
+        return changed
 
 
 def _push_codes(

@@ -50,8 +50,8 @@ from counters.buffer.pushids import PushId
 from counters.buffer.store import Buffer, Snapshot
 from counters.client import get_buffer
 from counters.models import FALLBACK_PREFIX, FlushBatch
+from counters.write import acks, sender, transactions
 from counters.write import negatives as repair
-from counters.write import sender, transactions
 from counters.write.sender import Sender
 
 logger = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ def get_parts(
     buffer = get_buffer(using)
     own = transactions.unsent(members, using)
     with sender.holding(using) as queue:
+        acks.acknowledge(using)  # what this process pushed has applied, or was completed
         try:
             snap, rows = _consistent_reading(buffer, spec, members, using)
         except RedisError as exc:

@@ -38,9 +38,9 @@ from django.dispatch import Signal
 from counters.base.context import already_counted, is_paused
 from counters.base.utils import concrete_model, target_field
 from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
-from counters.tracking.trackers import touches, tracked_fields, trackers_for
+from counters.tracking.trackers import touches, tracked_attnames, trackers_for
 from counters.tracking.where import is_expression
-from counters.write.add import add_many
+from counters.write.add import add_members
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,15 @@ def count(
     new: Iterable[Mapping[str, Any] | None],
     using: str,
 ) -> None:
-    """Add ``new - old`` of every counter tracking ``model``, once the transaction commits."""
+    """Add ``new - old`` of every counter tracking ``model``, once the transaction commits.
+
+    The deltas of all its counters go together: one push for the change.
+    """
     old, new = list(old), list(new)
+    members: dict[str, int] = {}
     for tracker in trackers_for(model):
-        deltas = tracker.deltas(old, new)
-        if deltas:
-            add_many(tracker.name, deltas, using=using)
+        tracker.add_members(members, old, new)
+    add_members(members, using=using)
 
 
 # -- save ------------------------------------------------------------------------
@@ -114,7 +117,9 @@ def needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) ->
 
 
 def _has_expression(obj: models.Model) -> bool:
-    return any(is_expression(getattr(obj, f.attname)) for f in tracked_fields(type(obj)))
+    """Whether a tracked value of ``obj`` is an expression (a deferred field is none)."""
+    values = obj.__dict__
+    return any(is_expression(values.get(attname)) for attname in tracked_attnames(type(obj)))
 
 
 def _may_update(obj: models.Model, model: type[models.Model], force_insert: bool) -> bool:
@@ -158,8 +163,8 @@ def counted_write(
         new = _new_row(obj, model, using, update_fields, before["row"] if updated else None)
         count(model, [before["row"] if updated else None], [new], using)
         return updated
-    conn = connections[using]
-    if (may_update or _has_expression(obj)) and not conn.in_atomic_block:
+    # (connections[using] costs microseconds: only looked up when it may matter)
+    if (may_update or _has_expression(obj)) and not connections[using].in_atomic_block:
         with transaction.atomic(using=using):
             return _write_and_count(obj, model, write, using, update_fields, may_update)
     return _write_and_count(obj, model, write, using, update_fields, may_update)

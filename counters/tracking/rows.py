@@ -79,15 +79,16 @@ def instance_row(
     decides it: read the row back) or not a value of its field.
     """
     wanted = None if only is None else set(only)
-    row: Row = dict(base or {})
+    row: Row = dict(base) if base else {}
     for field in tracked_fields(type(obj)):
-        if wanted is not None and field.name not in wanted and field.attname not in wanted:
+        attname = field.attname
+        if wanted is not None and field.name not in wanted and attname not in wanted:
             continue
-        value = getattr(obj, field.attname)
+        value = getattr(obj, attname)
         if is_expression(value):
             return None
         try:
-            row[field.attname] = python_value(field, value)
+            row[attname] = python_value(field, value)
         except Exception:
             return None
     return row

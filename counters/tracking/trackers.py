@@ -78,10 +78,30 @@ class Tracker:
         change.subtract(self.totals(old))
         return {key: delta for key, delta in change.items() if delta}
 
+    def add_members(
+        self, into: dict[str, int], old: Iterable[Row | None], new: Iterable[Row | None]
+    ) -> None:
+        """Add ``new - old`` to ``into`` per Redis member (``"<name>:<key>"``), as
+        :meth:`deltas` computes it (zeros may be left in ``into``).
+
+        Raises :class:`~counters.base.exceptions.InvalidKey` as
+        :meth:`CounterSpec.normalize <counters.base.registry.CounterSpec.normalize>` does.
+        """
+        member = self.spec.member
+        for rows, sign in ((new, 1), (old, -1)):
+            for row in rows:
+                if row is None:
+                    continue
+                found = self.contribution(row)
+                if found is not None and found[1]:
+                    name = member(found[0])
+                    into[name] = into.get(name, 0) + sign * found[1]
+
 
 _trackers: dict[str, Tracker] = {}
 _by_model: dict[type[models.Model], tuple[Tracker, ...]] = {}
 _fields: dict[type[models.Model], tuple[models.Field, ...]] = {}
+_attnames: dict[type[models.Model], tuple[str, ...]] = {}
 _names: dict[type[models.Model], frozenset[str]] = {}
 
 
@@ -93,6 +113,7 @@ def add_tracker(tracker: Tracker) -> None:
     names = {a for t in _by_model[model] for a in t.attnames}
     fields = tuple(f for f in model._meta.concrete_fields if f.attname in names)
     _fields[model] = fields
+    _attnames[model] = tuple(f.attname for f in fields)
     _names[model] = frozenset({f.name for f in fields} | {f.attname for f in fields})
 
 
@@ -104,6 +125,11 @@ def trackers_for(model: type[models.Model]) -> tuple[Tracker, ...]:
 def tracked_fields(model: type[models.Model]) -> tuple[models.Field, ...]:
     """The fields a counted path reads from rows of ``model``, in a fixed order."""
     return _fields.get(concrete_model(model), ())
+
+
+def tracked_attnames(model: type[models.Model]) -> tuple[str, ...]:
+    """The attnames of :func:`tracked_fields`."""
+    return _attnames.get(model._meta.concrete_model or model, ())
 
 
 def touches(model: type[models.Model], names: Iterable[str]) -> bool:

@@ -65,14 +65,40 @@ class WhereError(ValueError):
         super().__init__(message)
 
 
+#: Types of plain values: never expressions (``hasattr`` on them raises inside, slowly).
+_PLAIN_TYPES = frozenset({int, str, bool, float, type(None)})
+
+
 def is_expression(value: Any) -> bool:
-    return hasattr(value, "resolve_expression")
+    return type(value) not in _PLAIN_TYPES and hasattr(value, "resolve_expression")
+
+
+#: field -> the type whose values ``field.to_python()`` returns unchanged (None: ask it).
+_native: dict[models.Field, type | None] = {}
+
+
+def _native_type(field: models.Field) -> type | None:
+    target = target_field(field) if field.is_relation else field
+    kind = target.get_internal_type()
+    if kind in _INTEGERS:
+        return int
+    if kind == "BooleanField":
+        return bool
+    if kind in {"CharField", "TextField", "SlugField"}:
+        return str
+    return None
 
 
 def python_value(field: models.Field, value: Any) -> Any:
     """``value`` as the Python value ``field`` stores (an instance is its key)."""
     if value is None:
         return None
+    try:
+        native = _native[field]
+    except KeyError:
+        native = _native[field] = _native_type(field)
+    if type(value) is native:  # an int of an integer field, a bool, a str: as it is
+        return value
     if field.is_relation and isinstance(value, models.Model):
         value = getattr(value, target_field(field).attname)
     value = field.to_python(value)
@@ -101,7 +127,9 @@ def _node(model: type[models.Model], q: Q, attnames: set[str]) -> Predicate:
         _node(model, child, attnames) if isinstance(child, Q) else _leaf(model, child, attnames)
         for child in q.children
     ]
-    if q.connector == Q.OR:
+    if len(parts) == 1 and q.connector != Q.XOR:
+        (test,) = parts
+    elif q.connector == Q.OR:
 
         def test(row: Row) -> bool:
             return any(p(row) for p in parts)

@@ -38,6 +38,13 @@ def add_many(name: str, deltas: Mapping[Any, int], *, using: str = DEFAULT_DB_AL
     for key, delta in deltas.items():
         member = spec.member(key)
         members[member] = members.get(member, 0) + delta
+    add_members(members, using=using)
+
+
+def add_members(members: Mapping[str, int], *, using: str = DEFAULT_DB_ALIAS) -> None:
+    """Add deltas given per Redis member (``"<name>:<normalised key>"``, as
+    :meth:`CounterSpec.member <counters.base.registry.CounterSpec.member>` makes
+    them) after commit; zeros are left out. The counted paths' entry."""
     changed = {member: delta for member, delta in members.items() if delta}
     if changed:
         transactions.record(changed, using, delivery.send, durable.hook)

@@ -16,13 +16,14 @@ from collections.abc import Mapping
 
 from redis import RedisError
 
+from counters.base import conf
 from counters.base.exceptions import NotConnected, ScoreLimitExceeded, StalePush
 from counters.base.utils import capped
 from counters.buffer import pushids
 from counters.buffer.pushids import PushId
 from counters.buffer.store import Buffer
 from counters.client import get_buffer
-from counters.write import outbox, sender
+from counters.write import acks, outbox, sender
 from counters.write.fallback import write_direct
 from counters.write.preflight import ensure_recorded
 
@@ -63,13 +64,17 @@ def send(
     mode) are always pushed now, under that id: a later push of the row by a
     flush must find it applied.
     """
+    buffer = get_buffer(using)
     if any(deltas.values()):
         # In the committing thread, before any push: the DB knows the layout and the
         # shards' epochs (not in the sender's thread, which has no connection of its own).
-        ensure_recorded(get_buffer(using), using)
-    queued = push_id is None and not outbox and sender.enabled()
-    if queued and sender.enqueue(deltas, using, push_now):
-        return
+        ensure_recorded(buffer, using)
+    if push_id is None and not outbox:
+        switches = conf.write_switches()
+        if switches.send_delay > 0 and sender.enqueue(deltas, using, push_now):
+            return
+        if switches.defer_acks and acks.send(deltas, using, buffer, complete):
+            return  # its reply is read later; ``complete`` finishes it if it failed
     push_now(deltas, using, push_id=push_id, outbox=outbox)
 
 
@@ -110,14 +115,45 @@ def push_now(
         pushids.finish(pid, resolved)
 
 
-def _send(deltas: Mapping[str, int], using: str, push_id: PushId, outbox: bool) -> bool:
-    """:func:`send`; True if the push resolved (its writer may push again)."""
+def complete(deltas: Mapping[str, int], using: str, push_id: PushId, failed: BaseException) -> None:
+    """Finish a push of :func:`push_now` whose reply, read later, was ``failed``.
+
+    As if its first attempt had failed so: pushed again under the same id,
+    else written directly (unsettled if it may have applied). Ends ``push_id``;
+    never raises.
+    """
+    resolved = False
+    try:
+        resolved = _send(deltas, using, push_id, False, failed=failed)
+    except Exception:
+        logger.exception("could not complete push %s", push_id)
+    finally:
+        pushids.finish(push_id, resolved)
+
+
+def _send(
+    deltas: Mapping[str, int],
+    using: str,
+    push_id: PushId,
+    outbox: bool,
+    failed: BaseException | None = None,
+) -> bool:
+    """:func:`send`; True if the push resolved (its writer may push again).
+
+    ``failed``: the error of a first attempt made already (a push whose reply
+    was read later, :mod:`counters.write.acks`).
+    """
     rest = {member: delta for member, delta in deltas.items() if delta}
     direct: dict[str, int] = {}
     maybe_sent = pushed = False
+    attempts: tuple[int, ...] = (1, 2)
+    if isinstance(failed, ScoreLimitExceeded):
+        _too_large(rest, direct, failed)
+    elif failed is not None:
+        maybe_sent, attempts = may_have_left(failed), (2,)
     if rest:
         buffer = get_buffer(using)
-        for attempt in (1, 2):
+        for attempt in attempts:
             try:
                 push_exact(buffer, rest, direct, push_id)
                 pushed = True
@@ -180,6 +216,17 @@ def send_outbox(
     write_direct(rest, using, push_id=push_id, unsettled=maybe_sent, outbox=push_id)
 
 
+def _too_large(rest: dict[str, int], direct: dict[str, int], exc: ScoreLimitExceeded) -> None:
+    """Move the members Redis refused as too large from ``rest`` to ``direct``."""
+    for member in exc.members:
+        direct[member] = rest.pop(member)
+    logger.info(
+        "%s deltas reach 2**53, beyond exact Redis scores; writing them to the DB: %s",
+        len(exc.members),
+        capped(exc.members),
+    )
+
+
 def push_exact(
     buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: PushId | str
 ) -> None:
@@ -193,11 +240,5 @@ def push_exact(
             buffer.push(rest, push_id)
             return
         except ScoreLimitExceeded as exc:
-            for member in exc.members:
-                direct[member] = rest.pop(member)
-            logger.info(
-                "%s deltas reach 2**53, beyond exact Redis scores; writing them to the DB: %s",
-                len(exc.members),
-                capped(exc.members),
-            )
+            _too_large(rest, direct, exc)
     raise AssertionError("unreachable: every refusal removes a member")

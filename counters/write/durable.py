@@ -55,7 +55,7 @@ class OutboxHook:
     every committed transaction's deltas are in an outbox row until they are counted."""
 
     def enabled(self) -> bool:
-        return conf.durable()
+        return conf.write_switches().durable
 
     def hold(self, deltas: Mapping[str, int], using: str) -> str:
         """The outbox row of ``deltas`` under a new push id, on the current transaction."""

@@ -32,18 +32,15 @@ What it trades, and how each guarantee is kept:
 
 from __future__ import annotations
 
-import atexit
 import logging
-import multiprocessing.util
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
 
 from counters.base import conf
+from counters.write import acks, exits
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +148,10 @@ class Sender:
 
 _senders: dict[str, Sender] = {}
 _lock = threading.Lock()
-_hooks_installed = False
 
 
 def enabled() -> bool:
-    return conf.send_delay() > 0
+    return conf.write_switches().send_delay > 0
 
 
 def describe_mode() -> dict[str, object]:
@@ -210,6 +206,7 @@ def drain_queues(timeout: float = DRAIN_TIMEOUT) -> None:
             sender.stop(timeout)
         except Exception:
             logger.exception("could not drain the counters sender of %s", sender.using)
+    acks.acknowledge()
 
 
 def push_queued(using: str | None = None) -> None:
@@ -217,6 +214,7 @@ def push_queued(using: str | None = None) -> None:
     for sender in list(_senders.values()):
         if using is None or sender.using == using:
             sender.push_queue()
+    acks.acknowledge(using)
 
 
 def reset() -> None:
@@ -232,31 +230,14 @@ def drain_on_signal(**kwargs: object) -> None:
 
 
 def _install_exit_hooks() -> None:
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    atexit.register(drain_queues)
-    # A multiprocessing child ends with os._exit(), after its finalizers but without atexit.
-    multiprocessing.util.Finalize(None, drain_queues, exitpriority=100)
-    uwsgi: Any = sys.modules.get("uwsgi")
-    if uwsgi is not None:
-        previous = getattr(uwsgi, "atexit", None)
-
-        def uwsgi_atexit() -> None:
-            drain_queues()
-            if callable(previous):
-                previous()
-
-        uwsgi.atexit = uwsgi_atexit
+    exits.on_exit(drain_queues)
 
 
 def _forget_in_child() -> None:
     """After ``fork()``: the child has no thread, and the queue belongs to the parent."""
-    global _senders, _lock, _hooks_installed
+    global _senders, _lock
     _senders = {}
     _lock = threading.Lock()
-    _hooks_installed = False  # a multiprocessing child starts with no finalizers
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

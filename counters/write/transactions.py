@@ -278,7 +278,9 @@ def record(
     """
     conn = connections[using]
     in_atomic = conn.in_atomic_block
-    if not in_atomic and conn.get_autocommit():
+    # ``autocommit`` is what get_autocommit() returns once connected, without its checks
+    connected = conn.connection is not None
+    if not in_atomic and (conn.autocommit if connected else conn.get_autocommit()):
         now = {member: delta for member, delta in deltas.items() if delta}
         if not now:
             return

@@ -47,6 +47,7 @@ DEFAULTS = {
     "COUNTERS_OUTBOX_GRACE": 30.0,
     "COUNTERS_SEND_DELAY_MS": 0.0,
     "COUNTERS_SEND_BATCH": 500,
+    "COUNTERS_DEFER_ACKS": True,
 }
 
 
@@ -236,6 +237,7 @@ def test_every_positive_check_has_its_own_id():
         "COUNTERS_DURABLE",  # a boolean: E023
         "COUNTERS_OUTBOX_GRACE",  # positive, and below the push id lifetime: E024, E025
         "COUNTERS_SEND_DELAY_MS",  # 0 is allowed: E029
+        "COUNTERS_DEFER_ACKS",  # a boolean: E026
     }
 
 

@@ -1,0 +1,49 @@
+"""``AcknowledgeMiddleware``: a response leaves once the pushes of its request are acknowledged.
+
+With ``COUNTERS_DEFER_ACKS`` on (the default) a committed push is written to
+Redis and its reply read later (:mod:`counters.write.acks`). This middleware
+reads the replies still waiting before the response is returned, so other
+processes read the request's changes by the time its client has the
+response. Put it first in ``MIDDLEWARE``, so that it runs after every other
+middleware (and ``ATOMIC_REQUESTS``) has committed::
+
+    MIDDLEWARE = ["counters.middleware.AcknowledgeMiddleware", ...]
+
+A process that serves requests without it waits on every push instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from django.http import HttpRequest, HttpResponseBase
+
+from counters.write import acks
+
+
+class AcknowledgeMiddleware:
+    """Acknowledge this process's waiting pushes before returning each response."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.is_async = iscoroutinefunction(get_response)
+        if self.is_async:
+            markcoroutinefunction(self)
+        acks.middleware_loaded()
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase | Awaitable[HttpResponseBase]:
+        if self.is_async:
+            return self.__acall__(request)
+        response = self.get_response(request)
+        acks.acknowledge()
+        return response
+
+    async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
+        response = await self.get_response(request)
+        await sync_to_async(acks.acknowledge, thread_sensitive=True)()
+        return response

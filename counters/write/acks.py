@@ -1,0 +1,362 @@
+"""Pushes acknowledged later: the committing thread writes its push and does not wait.
+
+With ``COUNTERS_DEFER_ACKS`` on (the default), :func:`send` writes a
+committed push to a line of the thread's own (:class:`~counters.buffer.line.Line`)
+and returns. Its reply is read later, when it has usually arrived already:
+
+- by the thread's next push, after writing that one, once ``MAX_WAITING``
+  replies wait or the oldest is ``ACK_AFTER`` old (one read takes them all);
+- before any read of a counter in this process (:func:`acknowledge`), so
+  this process reads its own writes;
+- before a request's response is returned
+  (:class:`counters.middleware.AcknowledgeMiddleware`), and after a Celery
+  task ends: other processes read the change by then;
+- by this process's acknowledging thread, once a reply is ``ACK_AFTER`` old;
+- when the process exits (``counters.drain_queues()`` and the exit hooks).
+
+A push whose reply is a failure, or whose line broke before its reply was
+read, is completed as a push waited on would have been: pushed again under
+the same id, else written to the database directly, unsettled if it may have
+applied (:mod:`counters.write.delivery`), so no path counts it twice. That
+completion runs in the thread that read the reply, unless that thread is
+inside a transaction of the database: then the acknowledging thread runs it,
+and the reader waits for it.
+
+A web process that serves requests without the middleware waits on its
+pushes, as with ``COUNTERS_DEFER_ACKS`` off: its responses would otherwise
+leave before their pushes are acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+
+from django.db import connections
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from counters.base.exceptions import NotConnected
+from counters.buffer import pushids
+from counters.buffer.intake import PushPlan
+from counters.buffer.line import Line
+from counters.buffer.pushids import PushId
+from counters.buffer.store import Buffer
+from counters.write import exits
+
+logger = logging.getLogger(__name__)
+
+#: Seconds after which the acknowledging thread reads a reply nobody else has read.
+ACK_AFTER = 0.05
+#: Pushes a line holds unanswered before its next push reads their replies (in one read).
+MAX_WAITING = 16
+#: Seconds a read waits for the acknowledging thread to complete failed pushes.
+COMPLETE_TIMEOUT = 30.0
+
+#: ``complete(deltas, using, push_id, error)``: finish a push that failed with ``error``
+#: (:func:`counters.write.delivery.complete`); it ends ``push_id``.
+Complete = Callable[[Mapping[str, int], str, PushId, BaseException], None]
+
+
+class Waiting:
+    """A push written to a line, waiting for its reply."""
+
+    __slots__ = ("complete", "deltas", "plan", "push_id", "sent_at", "using")
+
+    def __init__(
+        self,
+        plan: PushPlan,
+        push_id: PushId,
+        deltas: Mapping[str, int],
+        using: str,
+        complete: Complete,
+    ) -> None:
+        self.plan = plan
+        self.push_id = push_id
+        self.deltas = deltas
+        self.using = using
+        self.complete = complete
+        self.sent_at = time.monotonic()
+
+
+Failed = tuple[Waiting, BaseException]
+
+
+class Acks:
+    """One thread's line to the buffer of one database, and the pushes waiting on it."""
+
+    def __init__(self, buffer: Buffer, using: str) -> None:
+        self.buffer = buffer
+        self.using = using
+        self.line = Line(buffer)
+        self.owner = threading.current_thread()
+        self.lock = threading.Lock()
+        self.waiting: deque[Waiting] = deque()
+
+    def send(self, push: Waiting) -> list[Failed]:
+        """Write ``push``; the failed pushes (of the replies it read, if it read any).
+
+        The replies of the pushes before it are read once ``MAX_WAITING`` are
+        waiting or the oldest is ``ACK_AFTER`` old.
+
+        ``push`` is among them if it could not be written (with
+        :class:`~counters.base.exceptions.NotConnected` if it never left).
+        """
+        with self.lock:
+            try:
+                self.line.send(push.plan)
+            except Exception as exc:
+                return [*self._broken(exc), (push, exc)]
+            waiting = self.waiting
+            waiting.append(push)
+            if len(waiting) < MAX_WAITING and waiting[0].sent_at > push.sent_at - ACK_AFTER:
+                return []
+            return self._settle(keep=1)  # the replies before it, arrived by now: one read
+
+    def settle(self, older_than: float | None = None) -> list[Failed]:
+        """Read the replies of the pushes waiting (those sent before ``older_than``)."""
+        with self.lock:
+            return self._settle(keep=0, older_than=older_than)
+
+    def _settle(self, keep: int, older_than: float | None = None) -> list[Failed]:
+        failed: list[Failed] = []
+        while len(self.waiting) > keep:
+            push = self.waiting[0]
+            if older_than is not None and push.sent_at > older_than:
+                break
+            try:
+                plan, replies = self.line.receive()
+                self.waiting.popleft()
+                plan.check(replies)
+            except Exception as exc:
+                if self.waiting and self.waiting[0] is push:
+                    self.waiting.popleft()
+                failed.append((push, exc))
+                if self.line.broken:  # the rest were written too, and may have run
+                    failed.extend(self._broken(exc))
+                continue
+            pushids.release(push.push_id)
+        return failed
+
+    def _broken(self, exc: BaseException) -> list[Failed]:
+        """The pushes written on a line that broke, none of them answered: each may have run."""
+        self.line.abandon()
+        if isinstance(exc, NotConnected):  # that one never left; those before it did
+            exc = RedisConnectionError(f"the line closed before their replies were read: {exc}")
+        broken = [(push, exc) for push in self.waiting]
+        self.waiting.clear()
+        return broken
+
+    def idle(self) -> bool:
+        return not self.waiting
+
+
+class _State:
+    """This process's lines, and its acknowledging thread."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.all: list[Acks] = []
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        #: Failed pushes to complete in the acknowledging thread (their reader was in a
+        #: transaction), and how many of them are being completed.
+        self.handed: deque[Failed] = deque()
+        self.completing = 0
+        self.thread: threading.Thread | None = None
+        self.sleeping = False
+        #: Requests served without the middleware: pushes are waited on.
+        self.unguarded = False
+        self.middleware = False
+        self.hooked = False
+
+
+_state = _State()
+
+
+def middleware_loaded() -> None:
+    """The acknowledging middleware runs in this process's request handler."""
+    _state.middleware = True
+
+
+def request_started(**kwargs: object) -> None:
+    """``request_started``: a request served without the middleware waits on its pushes."""
+    if not _state.middleware and not _state.unguarded:
+        _state.unguarded = True
+        acknowledge()
+
+
+def task_ended(**kwargs: object) -> None:
+    """Celery's ``task_postrun``: the task's pushes are acknowledged before its result."""
+    acknowledge()
+
+
+def send(deltas: Mapping[str, int], using: str, buffer: Buffer, complete: Complete) -> bool:
+    """Write the push of committed ``deltas`` to ``buffer`` now and read its reply later.
+
+    False if this push must be waited on instead: a Redis Cluster, a member
+    too large for a score, nothing to push, or a web process serving requests
+    without :class:`~counters.middleware.AcknowledgeMiddleware`. Otherwise its
+    push id ends when the reply is read, or ``complete`` ends it (also when
+    the push could not be written).
+    """
+    if _state.unguarded or not isinstance(buffer.client, Redis):
+        return False
+    push_id = pushids.allocate()
+    try:
+        plan = buffer.plan_push(deltas, push_id)
+        acks = _acks_of_thread(using, buffer) if plan.calls and not plan.refused else None
+    except BaseException:
+        pushids.release(push_id)  # never sent
+        raise
+    if acks is None:
+        pushids.release(push_id)  # never sent: the caller waits on its push
+        return False
+    failed = acks.send(Waiting(plan, push_id, deltas, using, complete))
+    if failed:
+        _finish(failed)
+    state = _state
+    if state.thread is None or state.sleeping:
+        _ensure_thread()
+    return True
+
+
+def acknowledge(using: str | None = None) -> None:
+    """Read every waiting reply of this process (of database ``using``), completing failures.
+
+    When this returns, every push this process committed before the call has
+    applied in Redis, or was completed without it.
+    """
+    failed: list[Failed] = []
+    for acks in _lines():
+        if using is None or acks.using == using:
+            failed.extend(acks.settle())
+    _finish(failed)
+    _wait_for_handed()
+
+
+def _lines() -> list[Acks]:
+    with _state.lock:
+        return list(_state.all)
+
+
+def _acks_of_thread(using: str, buffer: Buffer) -> Acks:
+    lines: dict[str, Acks] | None = getattr(_state.local, "lines", None)
+    if lines is None:
+        lines = _state.local.lines = {}
+    acks = lines.get(using)
+    if acks is None or acks.buffer is not buffer:  # new, or the settings changed
+        if acks is not None:
+            _finish(acks.settle())
+        acks = lines[using] = Acks(buffer, using)
+        with _state.lock:
+            _state.all.append(acks)
+        if not _state.hooked:
+            _state.hooked = True
+            exits.on_exit(acknowledge)
+    return acks
+
+
+def _finish(failed: list[Failed]) -> None:
+    """Complete ``failed`` pushes here, or hand those of a database in a transaction on."""
+    for push, exc in failed:
+        if connections[push.using].in_atomic_block and not _in_thread():
+            with _state.lock:
+                _state.handed.append((push, exc))
+                _state.wake.notify()
+            continue
+        _complete(push, exc)
+
+
+def _complete(push: Waiting, exc: BaseException) -> None:
+    try:
+        push.complete(push.deltas, push.using, push.push_id, exc)
+    except Exception:  # completes logs and never raises; the thread must live on
+        logger.exception("could not complete push %s", push.push_id)
+
+
+def _wait_for_handed() -> None:
+    deadline = time.monotonic() + COMPLETE_TIMEOUT
+    with _state.lock:
+        while _state.handed or _state.completing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.error("failed pushes were not completed in %.0fs", COMPLETE_TIMEOUT)
+                return
+            _state.wake.wait(left)
+
+
+# -- the acknowledging thread ---------------------------------------------------------
+
+
+def _in_thread() -> bool:
+    return threading.current_thread() is _state.thread
+
+
+def _ensure_thread() -> None:
+    state = _state
+    if state.thread is not None and not state.sleeping:
+        return
+    with state.lock:
+        if state.thread is None:
+            state.thread = threading.Thread(target=_run, name="counters-acks", daemon=True)
+            state.thread.start()
+        elif state.sleeping:
+            state.sleeping = False
+            state.wake.notify_all()
+
+
+def _run() -> None:
+    """Read replies nobody read within ``ACK_AFTER``; complete what readers handed on."""
+    state = _state
+    idle_rounds = 0
+    while True:
+        with state.lock:
+            if not state.handed:
+                if idle_rounds >= 20:
+                    state.sleeping = True
+                    while state.sleeping and not state.handed:
+                        state.wake.wait()
+                    idle_rounds = 0
+                else:
+                    state.wake.wait(ACK_AFTER)
+            handed = list(state.handed)
+            state.handed.clear()
+            state.completing += len(handed)
+        for push, exc in handed:
+            _complete(push, exc)
+        with state.lock:
+            state.completing -= len(handed)
+            state.wake.notify_all()
+        busy = _read_late()
+        idle_rounds = 0 if busy or handed else idle_rounds + 1
+
+
+def _read_late() -> bool:
+    """Settle the replies older than ``ACK_AFTER``; drop the lines of ended threads.
+
+    True while some push is waiting.
+    """
+    before = time.monotonic() - ACK_AFTER
+    busy = False
+    for acks in _lines():
+        _finish(acks.settle(older_than=before))
+        if acks.idle() and not acks.owner.is_alive():
+            with _state.lock:
+                _state.all.remove(acks)
+            acks.line.close()
+        busy = busy or not acks.idle()
+    return busy
+
+
+def _forget_in_child() -> None:
+    """After ``fork()``: the parent's lines and pushes are the parent's."""
+    global _state
+    _state = _State()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

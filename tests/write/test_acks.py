@@ -1,0 +1,233 @@
+"""Deferred acknowledgements (COUNTERS_DEFER_ACKS, the default): pushes written at COMMIT,
+their replies read later; every failure completed as a push waited on would be.
+
+The rest of the suite runs with the setting off (tests/settings.py), because its fault
+injections patch the push a COMMIT waits on. Here the faults are real: a redis-server of
+the test's own is stopped (SIGSTOP), killed, flushed of its scripts, or given a key of the
+wrong type, with pushes written and unanswered.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from django.db import connections
+from django.http import HttpResponse
+from django.test import RequestFactory
+
+import counters
+from counters.client import get_buffer
+from counters.middleware import AcknowledgeMiddleware
+from counters.models import FlushBatch
+from counters.write import acks
+from notifications.models import Notification, UnreadCounter
+from tests.helpers import assert_exact, in_redis, stored, truth
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture(autouse=True)
+def deferred(settings, monkeypatch):
+    """Acknowledgements deferred, in a process state of this test's own."""
+    monkeypatch.setattr(acks, "_state", acks._State())
+    settings.COUNTERS_DEFER_ACKS = True
+    settings.COUNTERS_SOCKET_TIMEOUT = 0.5
+    yield
+    acks.acknowledge()
+    for line in acks._lines():
+        line.line.close()
+
+
+def waiting() -> int:
+    """Pushes of this process written and not yet acknowledged."""
+    return sum(len(line.waiting) for line in acks._lines())
+
+
+def fallbacks() -> int:
+    return FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK).count()
+
+
+@pytest.fixture
+def unread_until_asked(monkeypatch):
+    """No reply is old enough for the acknowledging thread or the next push to read it."""
+    monkeypatch.setattr(acks, "ACK_AFTER", 3600.0)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_a_commit_writes_its_push_and_the_reply_is_read_later(make_user):
+    alice = make_user()
+    for i in range(3):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    assert waiting() == 3
+    assert UnreadCounter.objects.get_count(alice) == truth(alice) == 3  # a read acknowledges
+    assert waiting() == 0
+    assert fallbacks() == 0
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_the_push_that_fills_the_line_reads_the_replies_before_it(make_user):
+    alice = make_user()
+    for i in range(acks.MAX_WAITING - 1):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    assert waiting() == acks.MAX_WAITING - 1
+    Notification.objects.create(recipient=alice, verb="full")
+    assert waiting() == 1
+    acks.acknowledge()
+    assert in_redis(alice) == truth(alice) == acks.MAX_WAITING
+
+
+def test_other_processes_read_the_change_once_acknowledged(make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="x")
+    acks.acknowledge()
+    member = f"unread:{alice.pk}"
+    buffer = get_buffer()
+    # a plain client of the same Redis: what any other process reads
+    raw = buffer.client.zscore(buffer.key(buffer.shard_of(member), "pending"), member)
+    assert raw == 1.0
+
+
+def test_the_acknowledging_thread_reads_replies_nobody_reads(make_user):
+    alice = make_user()
+
+    def write() -> None:
+        try:
+            Notification.objects.create(recipient=alice, verb="from a thread that ends")
+        finally:
+            connections.close_all()  # this thread's own connections
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    thread.join()
+    deadline = time.monotonic() + 10
+    while acks._lines():  # read, then the line of the ended thread is closed and dropped
+        assert time.monotonic() < deadline, "the acknowledging thread never read the reply"
+        time.sleep(0.01)
+    assert in_redis(alice) == 1
+    assert fallbacks() == 0
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_a_stalled_redis_never_stalls_the_commit_and_its_late_push_counts_once(
+    own_redis, make_user
+):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="before")
+    acks.acknowledge()
+    own_redis.pause()
+    try:
+        notes = [Notification.objects.create(recipient=alice, verb=str(i)) for i in range(3)]
+        assert (waiting(), fallbacks()) == (3, 0)  # no COMMIT waited for the stalled Redis
+        # The COMMITs returned with their pushes written and unanswered. Reading them times
+        # out: each is completed as a push that may have left, written to the DB unsettled.
+        acks.acknowledge()
+    finally:
+        own_redis.resume()
+    assert waiting() == 0
+    assert fallbacks() == 3
+    assert FlushBatch.objects.filter(unsettled__isnull=False).count() == 3
+    assert notes[0].mark_read() is True
+    # Redis now runs the three pushes it held: late deliveries of pushes already written
+    # to the DB. The flush fences them: each counts once.
+    assert_exact(alice)
+    assert (stored(alice), truth(alice)) == (3, 3)
+
+
+def test_pushes_unanswered_when_redis_dies_go_to_the_db_once(own_redis, make_user):
+    alice, bob = make_user(), make_user()
+    Notification.objects.create(recipient=alice, verb="before")
+    counters.flush()
+    own_redis.pause()
+    for i in range(2):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    Notification.objects.create(recipient=bob, verb="b")
+    own_redis.kill()  # the pushes never ran
+    acks.acknowledge()
+    assert fallbacks() == 3
+    assert stored(alice) == truth(alice) == 3  # in the rows already
+    assert stored(bob) == truth(bob) == 1
+    own_redis.start()  # empty: its epoch markers are gone, which the flush reports
+    Notification.objects.create(recipient=bob, verb="after")
+    assert_exact(alice, bob)
+
+
+def test_a_push_refused_for_want_of_its_script_is_pushed_again(own_redis, make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="before")
+    acks.acknowledge()
+    client = own_redis.client()
+    try:
+        client.script_flush()  # a restarted Redis knows no script: NOSCRIPT
+    finally:
+        client.close()
+    for i in range(3):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    acks.acknowledge()
+    assert in_redis(alice) == truth(alice) == 4
+    assert fallbacks() == 0
+    assert_exact(alice)
+
+
+def test_an_error_reply_read_later_is_completed_in_the_db_and_counts_once(own_redis, make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="before")
+    counters.flush()
+    member = f"unread:{alice.pk}"
+    buffer = get_buffer()
+    pending = buffer.key(buffer.shard_of(member), "pending")
+    client = own_redis.client()
+    try:
+        client.delete(pending)
+        client.set(pending, "not a sorted set")  # every push to the shard fails: WRONGTYPE
+        Notification.objects.create(recipient=alice, verb="refused")
+        acks.acknowledge()
+        assert fallbacks() == 1
+        assert stored(alice) == truth(alice) == 2  # the refused push's +1, written directly
+        client.delete(pending)
+    finally:
+        client.close()
+    Notification.objects.create(recipient=alice, verb="after")
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_the_middleware_returns_the_response_once_its_pushes_are_acknowledged(make_user):
+    alice = make_user()
+
+    def view(request):
+        for i in range(3):
+            Notification.objects.create(recipient=alice, verb=str(i))
+        assert waiting() == 3
+        return HttpResponse("ok")
+
+    response = AcknowledgeMiddleware(view)(RequestFactory().get("/"))
+    assert response.status_code == 200
+    assert waiting() == 0
+    assert in_redis(alice) == truth(alice) == 3
+
+
+def test_a_process_serving_requests_without_the_middleware_waits_on_its_pushes(make_user):
+    alice = make_user()
+    acks.request_started()  # a request, and no middleware loaded in this process state
+    Notification.objects.create(recipient=alice, verb="x")
+    assert acks._lines() == []  # pushed and waited on, as with the setting off
+    assert in_redis(alice) == 1
+
+
+def test_a_celery_task_acknowledges_when_it_ends(make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="x")
+    acks.task_ended()
+    assert waiting() == 0
+    assert in_redis(alice) == 1
+
+
+def test_with_the_setting_off_every_commit_waits(settings, make_user):
+    settings.COUNTERS_DEFER_ACKS = False
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="x")
+    assert acks._lines() == []
+    assert in_redis(alice) == 1

@@ -1,0 +1,35 @@
+"""Deferred acknowledgements across processes: a writer that ends with replies unread."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from counters.models import FlushBatch
+from tests.helpers import assert_exact, in_redis, truth
+from tests.procs import ROOT, project_env
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.serial]
+
+
+@pytest.mark.parametrize("end", ["exit", "os-exit", "sigkill"])
+def test_a_writer_that_ends_with_replies_unread_counts_each_change_once(end, make_user):
+    alice = make_user()
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "tests.acks_writer", "--user", str(alice.pk)),
+            *("--notifications", "5", "--end", end),
+        ],
+        cwd=ROOT,
+        env=project_env(COUNTERS_DEFER_ACKS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == (-9 if end == "sigkill" else 0), proc.stderr
+    assert proc.stdout.splitlines()[0] == "unread 5"  # every reply unread when it ended
+    assert in_redis(alice) == truth(alice) == 5
+    assert FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK).count() == 0
+    assert_exact(alice)
