@@ -11,7 +11,10 @@ under limits derived from the time budget and the lease (:func:`apply_limits`):
   a frozen flusher's session, which rolls its transaction back, so the next
   flush applies the batch (exactly once: the ledger row was never committed);
 - MySQL/MariaDB: the session's ``innodb_lock_wait_timeout`` (whole seconds),
-  restored afterwards;
+  statement limit (MariaDB's ``max_statement_time``, MySQL's
+  ``max_execution_time``) and idle limit (MariaDB's ``idle_transaction_timeout``,
+  which ends a frozen flusher's session as PostgreSQL does; MySQL's
+  ``wait_timeout``), restored afterwards (:func:`mysql_limits`);
 - SQLite: its busy timeout (``PRAGMA busy_timeout``), restored afterwards.
 
 A lock or statement timeout is an ``OperationalError``: the batch stays in
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -95,9 +98,10 @@ def atomic(using: str) -> Iterator[None]:
     """``transaction.atomic(using)`` under the limits of the enclosing :func:`limited`.
 
     PostgreSQL: ``SET LOCAL`` of the three timeouts, first thing in the
-    transaction (one round trip). SQLite and MySQL: the session's lock wait,
-    set before BEGIN (SQLite's ``BEGIN IMMEDIATE`` already waits for the lock)
-    and put back after the transaction. Without limits, a plain ``atomic``.
+    transaction (one round trip). MySQL/MariaDB: the session's three limits,
+    set before BEGIN in one statement and put back after the transaction.
+    SQLite: the session's lock wait (its ``BEGIN IMMEDIATE`` already waits
+    for the lock). Without limits, a plain ``atomic``.
     """
     limits = _current.get()
     if limits is None:
@@ -106,7 +110,7 @@ def atomic(using: str) -> Iterator[None]:
         return
     conn = connections[using]
     # PostgreSQL needs no session setting (and its two round trips per batch) here.
-    outer = session(using, limits) if conn.vendor != "postgresql" else nullcontext()
+    outer = session(using, limits, whole=True) if conn.vendor != "postgresql" else nullcontext()
     with outer, transaction.atomic(using=using):
         if conn.vendor == "postgresql":
             with conn.cursor() as cursor:
@@ -120,12 +124,14 @@ def atomic(using: str) -> Iterator[None]:
 
 
 @contextmanager
-def session(using: str, limits: Limits) -> Iterator[None]:
+def session(using: str, limits: Limits, whole: bool = False) -> Iterator[None]:
     """Bound every lock wait of ``using``'s session to ``limits.lock`` within the block.
 
-    The previous value is put back on exit (when the connection still works).
+    The previous values are put back on exit (when the connection still works).
     PostgreSQL: ``lock_timeout``; SQLite: ``PRAGMA busy_timeout``;
-    MySQL/MariaDB: ``innodb_lock_wait_timeout`` (whole seconds). Others: nothing.
+    MySQL/MariaDB: ``innodb_lock_wait_timeout`` (whole seconds), and with
+    ``whole`` the statement and idle limits too (:func:`mysql_limits`).
+    Others: nothing.
     """
     conn = connections[using]
     setting: AbstractContextManager[None]
@@ -133,19 +139,28 @@ def session(using: str, limits: Limits) -> Iterator[None]:
         setting = _restored(
             conn,
             "SELECT current_setting('lock_timeout')",
-            "SELECT set_config('lock_timeout', %s, false)",
-            str(_ms(limits.lock)),
+            lambda v: ("SELECT set_config('lock_timeout', %s, false)", [v[0]]),
+            [str(_ms(limits.lock))],
         )
     elif conn.vendor == "sqlite":
         setting = _restored(
-            conn, "PRAGMA busy_timeout", "PRAGMA busy_timeout = {}", _ms(limits.lock)
+            conn,
+            "PRAGMA busy_timeout",
+            lambda v: (f"PRAGMA busy_timeout = {int(v[0])}", []),  # PRAGMA takes no parameters
+            [_ms(limits.lock)],
         )
     elif conn.vendor == "mysql":
+        names, values = zip(*mysql_limits(conn, limits, whole), strict=True)
         setting = _restored(
             conn,
-            "SELECT @@SESSION.innodb_lock_wait_timeout",
-            "SET SESSION innodb_lock_wait_timeout = {}",
-            max(1, math.ceil(limits.lock)),
+            "SELECT " + ", ".join(f"@@SESSION.{name}" for name in names),
+            # SET takes no parameters for a system variable's value: numbers, written in.
+            lambda v: (
+                "SET SESSION "
+                + ", ".join(f"{n} = {_number(x)}" for n, x in zip(names, v, strict=True)),
+                [],
+            ),
+            values,
         )
     else:
         setting = nullcontext()
@@ -153,24 +168,54 @@ def session(using: str, limits: Limits) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def _restored(conn: Any, read: str, write: str, value: Any) -> Iterator[None]:
-    """Set a session setting to ``value``, and back to what it was on exit.
+def mysql_limits(conn: Any, limits: Limits, whole: bool) -> list[tuple[str, Any]]:
+    """The session variables bounding a MySQL/MariaDB flush, with their values.
 
-    ``write`` takes the value as a ``%s`` parameter, or (PRAGMA and SET,
-    which take no parameters) formatted in as an integer with ``{}``.
+    ``innodb_lock_wait_timeout`` (whole seconds); with ``whole`` (the apply
+    transaction) also the statement limit, MariaDB's ``max_statement_time``
+    (seconds) or MySQL's ``max_execution_time`` (milliseconds, read-only
+    SELECTs alone), and the idle limit: MariaDB's ``idle_transaction_timeout``
+    ends a session idle inside a transaction, as PostgreSQL's
+    ``idle_in_transaction_session_timeout`` does; MySQL has only the
+    session's ``wait_timeout`` (idle anywhere), which the flush holds for the
+    transaction alone.
+    """
+    variables: list[tuple[str, Any]] = [
+        ("innodb_lock_wait_timeout", max(1, math.ceil(limits.lock)))
+    ]
+    if whole and conn.mysql_is_mariadb:
+        variables += [
+            ("max_statement_time", round(limits.statement, 3)),
+            ("idle_transaction_timeout", math.ceil(limits.idle)),
+        ]
+    elif whole:
+        variables += [
+            ("max_execution_time", _ms(limits.statement)),
+            ("wait_timeout", math.ceil(limits.idle)),
+        ]
+    return variables
+
+
+#: The statement (and its parameters) that sets a session's settings to the values given.
+Writer = Callable[[Sequence[Any]], tuple[str, list[Any]]]
+
+
+@contextmanager
+def _restored(conn: Any, read: str, write: Writer, values: Sequence[Any]) -> Iterator[None]:
+    """Set session settings to ``values``, and back to what they were on exit.
+
+    ``read`` returns the settings' current values as one row, in the order
+    ``write`` takes them: one statement each way, whatever their number.
     """
 
-    def put(cursor: Any, new: Any) -> None:
-        if "%s" in write:
-            cursor.execute(write, [new])
-        else:
-            cursor.execute(write.format(int(new)))
+    def put(cursor: Any, new: Sequence[Any]) -> None:
+        sql, params = write(new)
+        cursor.execute(sql, params or None)
 
     with conn.cursor() as cursor:
         cursor.execute(read)
-        (before,) = cursor.fetchone()
-        put(cursor, value)
+        before = cursor.fetchone()
+        put(cursor, values)
     try:
         yield
     finally:
@@ -180,6 +225,12 @@ def _restored(conn: Any, read: str, write: str, value: Any) -> Iterator[None]:
                     put(cursor, before)
         except DatabaseError as exc:  # the connection broke: it is replaced, setting and all
             logger.debug("could not restore a session setting: %s", exc)
+
+
+def _number(value: Any) -> str:
+    """A number as an SQL literal (a setting read back may be a Decimal or a string)."""
+    number = float(value)
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 #: Sessions of this database waiting on a lock, each with a session blocking it.

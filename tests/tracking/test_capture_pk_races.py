@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.redis,
     pytest.mark.postgres,
     pytest.mark.serial,
-    pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs PostgreSQL row locks"),
+    pytest.mark.skipif("not has_row_locks()", reason="needs row locks between connections"),
 ]
 
 THREADS = 4

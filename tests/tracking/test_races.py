@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.redis,
     pytest.mark.postgres,
-    pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs PostgreSQL row locks"),
+    pytest.mark.skipif("not has_row_locks()", reason="needs row locks between connections"),
     pytest.mark.usefixtures("redis_backend"),
 ]
 
