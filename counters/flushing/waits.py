@@ -1,4 +1,4 @@
-"""Bounded database waits for the flush, and who blocks a flush (PostgreSQL).
+"""Bounded database waits for the flush, and who blocks a flush.
 
 A flusher frozen inside its apply transaction (a VM paused, a host lost
 without a TCP reset) keeps its row locks and its uncommitted ledger row. The
@@ -256,29 +256,58 @@ def flush_tables() -> list[str]:
     return sorted(tables)
 
 
+#: The same on MySQL 8 and MariaDB 10.6+ (their sys schema), with the blocker's session.
+BLOCKED_SQL_MYSQL = """
+SELECT w.waiting_pid, NULL, 'active', w.wait_age_secs, LEFT(w.waiting_query, 200),
+       w.blocking_pid, NULL,
+       CASE WHEN b.COMMAND = 'Sleep' THEN 'idle in transaction' ELSE 'active' END,
+       SUBSTRING_INDEX(b.HOST, ':', 1),
+       TIMESTAMPDIFF(SECOND, w.blocking_trx_started, NOW()), LEFT(w.blocking_query, 200),
+       w.locked_table
+FROM sys.innodb_lock_waits AS w
+LEFT JOIN information_schema.PROCESSLIST AS b ON b.ID = w.blocking_pid
+WHERE w.waiting_pid <> CONNECTION_ID()
+ORDER BY w.waiting_pid, w.blocking_pid
+"""
+
+
+def _waits(conn: Any) -> list[tuple]:
+    """Rows of :data:`BLOCKED_SQL` (or its MySQL twin) on this database; [] elsewhere."""
+    if conn.vendor == "postgresql":
+        sql = BLOCKED_SQL
+    elif conn.vendor == "mysql":
+        sql = BLOCKED_SQL_MYSQL
+    else:
+        return []
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute(sql)
+            rows = cursor.fetchall()
+    except DatabaseError as exc:
+        logger.debug("lock waits could not be read: %s", exc)
+        return []
+    if conn.vendor == "mysql":  # the sys view shows every database: keep this one's
+        here = f"`{conn.settings_dict['NAME']}`."
+        rows = [row[:11] for row in rows if (row[11] or "").startswith(here)]
+    return rows
+
+
 def blocked_flushes(using: str) -> list[dict[str, Any]]:
-    """Flush statements of ``using`` waiting on a lock, and the session holding it (PostgreSQL).
+    """Flush statements of ``using`` waiting on a lock, and the session holding it.
 
     A statement counts as a flush's when it writes the ledger, the epochs or a
     counter table. Each entry: ``pid``, ``application``, ``waiting_seconds``,
     ``query`` of the waiting session and ``blocked_by``: ``pid``,
     ``application``, ``state`` (``idle in transaction`` for a frozen client),
-    ``client``, ``transaction_seconds``, ``query``. Empty elsewhere, and when
-    ``pg_stat_activity`` cannot be read (logged at DEBUG).
+    ``client``, ``transaction_seconds``, ``query``. PostgreSQL reads
+    ``pg_stat_activity``; MySQL and MariaDB ``sys.innodb_lock_waits`` (no
+    application names there). Empty elsewhere, and when they cannot be read
+    (logged at DEBUG; MySQL needs the PROCESS privilege).
     """
     conn = connections[using]
-    if conn.vendor != "postgresql":
-        return []
-    try:
-        with conn.cursor() as cursor:
-            cursor.execute(BLOCKED_SQL)
-            rows = cursor.fetchall()
-    except DatabaseError as exc:
-        logger.debug("pg_stat_activity could not be read: %s", exc)
-        return []
     tables = flush_tables()
     blocked: list[dict[str, Any]] = []
-    for row in rows:
+    for row in _waits(conn):
         query = row[4] or ""
         if not any(table in query for table in tables):
             continue

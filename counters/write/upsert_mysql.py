@@ -9,9 +9,12 @@ two arrays is to PostgreSQL: one parameter, whatever the batch size.
 each row through the key's unique index, so rows are locked in key order
 (a multi-table UPDATE takes no ``ORDER BY``). With ``CLIENT.FOUND_ROWS``, which
 Django's MySQL backend sets, the row count is the rows matched: when it is the
-batch's size, nothing is missing and the batch took one statement. Other key
-types lock their rows first (``SELECT … ORDER BY key FOR UPDATE``), then add
-one UPDATE per distinct delta.
+batch's size, nothing is missing and the batch took one statement. Otherwise
+the UPDATE is rolled back to a savepoint taken before it: under READ COMMITTED
+the rows it missed cannot be told apart from rows another applier created
+since. Then, as for other key types, the rows that exist are locked first
+(``SELECT … ORDER BY key FOR UPDATE``), and added to (with the joined UPDATE,
+or one UPDATE per distinct delta for keys that are not integers).
 
 Keys without a row go through ``INSERT … ON DUPLICATE KEY UPDATE n = n +
 <new n>`` (a row another applier created meanwhile is added to). Only those:
@@ -35,7 +38,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from django.db import DataError, IntegrityError, connections
+from django.db import DataError, IntegrityError, connections, transaction
 
 from counters.base.registry import CounterSpec
 from counters.base.utils import batched, on_duplicate_key
@@ -57,19 +60,38 @@ def apply_mysql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tupl
     statements = 0
     with _ranged(spec), conn.cursor() as cursor:
         for chunk in batched(sorted(by_db), CHUNK):
-            if integers:
-                matched = _add_joined(cursor, n, chunk, deltas, conn)
+            if integers and _all_rows_added(cursor, n, chunk, deltas, using):
+                applied.update(chunk)
                 statements += 1
-                missing = _missing(cursor, n, chunk) if matched < len(chunk) else []
-                statements += matched < len(chunk)
-            else:
-                existing = _lock(cursor, n, chunk)
-                statements += 1 + _add_grouped(cursor, n, sorted(existing), deltas, conn)
-                missing = [k for k in chunk if k not in existing]
+                continue
+            # Some rows are missing (the attempt above, if any, was rolled back): lock those
+            # that exist, add to them, create the others.
+            existing = _lock(cursor, n, chunk)
+            keys = sorted(existing)
+            added = _add_joined(cursor, n, keys, deltas, conn) if integers else None
+            statements += 1 + (
+                1 if added is not None else _add_grouped(cursor, n, keys, deltas, conn)
+            )
+            missing = [k for k in chunk if k not in existing]
             created, more = _create(cursor, n, missing, deltas, conn)
             statements += more
-            applied.update(k for k in chunk if k not in missing or k in created)
+            applied.update(existing | created)
     return {by_db[k] for k in applied}, statements
+
+
+def _all_rows_added(cursor: Any, n: Names, keys: list[int], deltas: dict, using: str) -> bool:
+    """Add the deltas of ``keys`` if every one of them has its row, in one UPDATE.
+
+    Under a savepoint: when the UPDATE matched fewer rows than keys, it is
+    rolled back (its row locks stay), since which rows it missed cannot be
+    told apart from rows created since by others (READ COMMITTED).
+    """
+    savepoint = transaction.savepoint(using)
+    if _add_joined(cursor, n, keys, deltas, connections[using]) == len(keys):
+        transaction.savepoint_commit(savepoint, using)
+        return True
+    transaction.savepoint_rollback(savepoint, using)
+    return False
 
 
 def _placeholders(count: int) -> str:
@@ -78,6 +100,8 @@ def _placeholders(count: int) -> str:
 
 def _add_joined(cursor: Any, n: Names, keys: list[int], deltas: dict, conn: Any) -> int:
     """One UPDATE of the rows of integer ``keys``, in key order; the rows matched."""
+    if not keys:
+        return 0
     pairs = json.dumps([[k, deltas[k]] for k in keys])
     return int(
         cursor.execute(
@@ -92,15 +116,6 @@ def _add_joined(cursor: Any, n: Names, keys: list[int], deltas: dict, conn: Any)
 def _touch(n: Names, conn: Any, alias: str) -> str:
     """``, <alias>col = %s`` for each ``auto_now`` column (its value: :meth:`Names.touches`)."""
     return "".join(f", {alias}{conn.ops.quote_name(f.column)} = %s" for f in n.touched)
-
-
-def _missing(cursor: Any, n: Names, keys: list) -> list:
-    """Which of ``keys`` have no row (after an UPDATE that matched fewer than all)."""
-    cursor.execute(
-        f"SELECT {n.key} FROM {n.table} WHERE {n.key} IN ({_placeholders(len(keys))})", keys
-    )
-    found = {k for (k,) in cursor.fetchall()}
-    return [k for k in keys if k not in found]
 
 
 def _lock(cursor: Any, n: Names, keys: list) -> set:

@@ -22,12 +22,13 @@ from counters.buffer.store import Buffer
 from counters.models import FlushBatch
 from counters.write import apply
 from notifications.models import Notification, UnreadCounter
-from tests.helpers import assert_exact, backend_pid, stored, truth, waits_on_lock
+from tests.conftest import has_row_locks
+from tests.helpers import assert_exact, backend_pid, lock_poll, stored, truth, waits_on_lock
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
 needs_row_locks = pytest.mark.skipif(
-    "not has_row_locks()", reason="needs row locks between connections"
+    not has_row_locks(), reason="needs row locks between connections"
 )
 
 #: Seconds any step of a race may take before the test gives up.
@@ -118,7 +119,7 @@ class Worker(threading.Thread):
             if waits_on_lock(self.pid):
                 return
             assert time.monotonic() < deadline, "worker neither blocked nor finished"
-            time.sleep(0.01)
+            time.sleep(lock_poll())
 
 
 @contextlib.contextmanager
@@ -175,7 +176,7 @@ def test_a_direct_write_for_a_deleted_user_drops_only_that_user(applier, redis_d
     assert stored(alice) == truth(alice) == 2
 
 
-# -- races (PostgreSQL) -----------------------------------------------------------------
+# -- races (PostgreSQL, MySQL/MariaDB) ---------------------------------------------------
 
 
 @needs_row_locks
@@ -259,7 +260,17 @@ def test_a_direct_write_drops_only_the_user_deleted_while_it_runs(
         deleter.start()
         deleter.finish()
 
-    with after_first(f'INSERT INTO "{COUNTER_TABLE}"', delete_carol):
+    if connection.vendor == "mysql":
+        # InnoDB checks a foreign key at the INSERT, not at COMMIT: a deletion after it
+        # waits for the write (and then fails, as a Django deletion racing the creation of
+        # any child row does on MySQL). So carol goes between the UPDATE of the rows that
+        # exist and the reading of the parents of those that do not.
+        if applier == "generic":
+            pytest.skip("the generic applier's INSERT IGNORE holds carol's row: see above")
+        statement = "JSON_TABLE"
+    else:
+        statement = f'INSERT INTO "{COUNTER_TABLE}"'
+    with after_first(statement, delete_carol):
         Notification.objects.bulk_create(
             [Notification(recipient=bob, verb="v") for _ in range(5)]
             + [Notification(recipient=carol, verb="v") for _ in range(2)]
