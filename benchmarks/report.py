@@ -73,6 +73,9 @@ def _database_version() -> str:
             return f"PostgreSQL {cursor.fetchone()[0]}"
     if connection.vendor == "sqlite":
         return f"SQLite {sqlite3.sqlite_version}"
+    if connection.vendor == "mysql":
+        version = ".".join(str(part) for part in connection.mysql_version)
+        return f"{connection.display_name} {version}"
     return connection.display_name
 
 

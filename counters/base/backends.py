@@ -13,10 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db import connections
+
 #: ``connection.vendor`` of each database the app supports.
 SUPPORTED_VENDORS = ("postgresql", "sqlite", "mysql")
 #: The only MySQL isolation level the app supports (Django's default for MySQL).
 MYSQL_ISOLATION = "read committed"
+
+
+def any_mysql() -> bool:
+    """Whether a configured database is MySQL or MariaDB (read from the settings alone)."""
+    return any(connections[alias].vendor == "mysql" for alias in connections)
 
 
 def unsupported(alias: str, conn: Any) -> str | None:

@@ -256,16 +256,18 @@ def flush_tables() -> list[str]:
     return sorted(tables)
 
 
-#: The same on MySQL 8 and MariaDB 10.6+ (their sys schema), with the blocker's session.
+#: The same on MySQL 8 and MariaDB 10.6+ (their sys schema), with both sessions' whole
+#: statements (the view's own are cut to 64 characters) and the table waited on.
 BLOCKED_SQL_MYSQL = """
-SELECT w.waiting_pid, NULL, 'active', w.wait_age_secs, LEFT(w.waiting_query, 200),
+SELECT w.waiting_pid, NULL, 'active', w.wait_age_secs, LEFT(wp.INFO, 200),
        w.blocking_pid, NULL,
-       CASE WHEN b.COMMAND = 'Sleep' THEN 'idle in transaction' ELSE 'active' END,
-       SUBSTRING_INDEX(b.HOST, ':', 1),
-       TIMESTAMPDIFF(SECOND, w.blocking_trx_started, NOW()), LEFT(w.blocking_query, 200),
+       CASE WHEN bp.COMMAND = 'Sleep' THEN 'idle in transaction' ELSE 'active' END,
+       SUBSTRING_INDEX(bp.HOST, ':', 1),
+       TIMESTAMPDIFF(SECOND, w.blocking_trx_started, NOW()), LEFT(bp.INFO, 200),
        w.locked_table
 FROM sys.innodb_lock_waits AS w
-LEFT JOIN information_schema.PROCESSLIST AS b ON b.ID = w.blocking_pid
+LEFT JOIN information_schema.PROCESSLIST AS wp ON wp.ID = w.waiting_pid
+LEFT JOIN information_schema.PROCESSLIST AS bp ON bp.ID = w.blocking_pid
 WHERE w.waiting_pid <> CONNECTION_ID()
 ORDER BY w.waiting_pid, w.blocking_pid
 """

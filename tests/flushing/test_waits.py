@@ -203,7 +203,7 @@ def test_a_frozen_flusher_blocks_no_flush_past_its_budget(users, end):
         elif connection.vendor == "mysql":
             assert message == (
                 "CommandError: flush failed in 1 shard(s); shard 0: "
-                "Lock wait timeout exceeded; try restarting transaction"
+                "(1205, 'Lock wait timeout exceeded; try restarting transaction')"
             ), err
         else:  # SQLite locks the whole database: the ledger's pruning fails too
             assert message == "CommandError: database error: database is locked", err
