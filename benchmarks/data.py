@@ -6,6 +6,8 @@ MariaDB) so a million of them take seconds, and deleted the same way.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from django.contrib.auth import get_user_model
 from django.db import connection, models
 from django.db.models import AutoField, BigAutoField, SmallAutoField
@@ -40,7 +42,8 @@ def _insert_series(count: int, insert: str, select: str) -> str:
     """
     if connection.vendor != "mysql":
         return f"WITH RECURSIVE {_series(count)} {insert} {select}"
-    depth = "max_recursive_iterations" if connection.mysql_is_mariadb else "cte_max_recursion_depth"
+    mariadb = cast(Any, connection).mysql_is_mariadb
+    depth = "max_recursive_iterations" if mariadb else "cte_max_recursion_depth"
     with connection.cursor() as cursor:
         cursor.execute(f"SET SESSION {depth} = {max(1000, int(count) + 1)}")
     return f"{insert} WITH RECURSIVE {_series(count)} {select}"

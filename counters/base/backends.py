@@ -21,6 +21,11 @@ SUPPORTED_VENDORS = ("postgresql", "sqlite", "mysql")
 MYSQL_ISOLATION = "read committed"
 
 
+def is_mariadb(conn: Any) -> bool:
+    """Whether ``conn`` is Django's MySQL backend on a MariaDB server (it asks the server once)."""
+    return conn.vendor == "mysql" and bool(conn.mysql_is_mariadb)
+
+
 def any_mysql() -> bool:
     """Whether a configured database is MySQL or MariaDB (read from the settings alone)."""
     return any(connections[alias].vendor == "mysql" for alias in connections)
