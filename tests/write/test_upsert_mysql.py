@@ -1,6 +1,6 @@
-"""The MySQL/MariaDB applier: one statement for a batch whose rows exist, rows created only for
+"""The MySQL/MariaDB statements: one UPDATE for a batch whose rows exist, rows created only for
 the keys without one (InnoDB spends an auto-increment value on every row of an
-``INSERT … ON DUPLICATE KEY UPDATE``), natural keys through the per-delta UPDATEs."""
+``INSERT … ON DUPLICATE KEY UPDATE``), and the outbox claimed once on either server."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 import counters
+from counters.base import backends
 from counters.base.registry import get_spec
+from counters.models import Outbox
+from counters.write import outbox
 from counters.write.upsert_mysql import apply_mysql
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact
@@ -60,3 +63,23 @@ def test_missing_rows_are_created_and_spend_no_auto_increment_on_the_others(sett
     new = sorted(UnreadCounter.objects.filter(user__in=users[6:]).values_list("pk", flat=True))
     assert new == [last + 1, last + 2, last + 3, last + 4]  # no value spent on updates
     assert_exact(*users)
+
+
+@pytest.mark.parametrize("server", ["mariadb", "mysql"])
+def test_an_outbox_row_is_claimed_once(monkeypatch, server):
+    """MariaDB deletes it with ``DELETE … RETURNING``; MySQL, which has none, locks and
+    reads it first (that path runs here on MariaDB, which has both statements)."""
+    monkeypatch.setattr(backends, "is_mariadb", lambda conn: server == "mariadb")
+    with transaction.atomic():
+        outbox.write({"unread:7": 2, "unread:8": -1}, "default", "push-1")
+    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+        assert outbox.claim_row("push-1", "default") == {"unread:7": 2, "unread:8": -1}
+        assert outbox.claim_row("push-1", "default") is None
+    assert not Outbox.objects.exists()
+    statements = [
+        q["sql"].split(" ", 1)[0] for q in queries.captured_queries if "outbox" in q["sql"]
+    ]
+    if server == "mariadb":
+        assert statements == ["DELETE", "DELETE"]
+    else:
+        assert statements == ["SELECT", "DELETE", "SELECT"]
