@@ -60,18 +60,15 @@ def apply_mysql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tupl
     statements = 0
     with _ranged(spec), conn.cursor() as cursor:
         for chunk in batched(sorted(by_db), CHUNK):
-            if integers and _all_rows_added(cursor, n, chunk, deltas, using):
-                applied.update(chunk)
+            if integers:
                 statements += 1
-                continue
+                if _all_rows_added(cursor, n, chunk, deltas, using):
+                    applied.update(chunk)
+                    continue
             # Some rows are missing (the attempt above, if any, was rolled back): lock those
             # that exist, add to them, create the others.
             existing = _lock(cursor, n, chunk)
-            keys = sorted(existing)
-            added = _add_joined(cursor, n, keys, deltas, conn) if integers else None
-            statements += 1 + (
-                1 if added is not None else _add_grouped(cursor, n, keys, deltas, conn)
-            )
+            statements += 1 + _add(cursor, n, sorted(existing), deltas, conn, joined=integers)
             missing = [k for k in chunk if k not in existing]
             created, more = _create(cursor, n, missing, deltas, conn)
             statements += more
@@ -100,8 +97,6 @@ def _placeholders(count: int) -> str:
 
 def _add_joined(cursor: Any, n: Names, keys: list[int], deltas: dict, conn: Any) -> int:
     """One UPDATE of the rows of integer ``keys``, in key order; the rows matched."""
-    if not keys:
-        return 0
     pairs = json.dumps([[k, deltas[k]] for k in keys])
     return int(
         cursor.execute(
@@ -128,8 +123,14 @@ def _lock(cursor: Any, n: Names, keys: list) -> set:
     return {k for (k,) in cursor.fetchall()}
 
 
-def _add_grouped(cursor: Any, n: Names, keys: list, deltas: dict, conn: Any) -> int:
-    """One UPDATE per distinct delta of the (locked) rows of ``keys``; how many ran."""
+def _add(cursor: Any, n: Names, keys: list, deltas: dict, conn: Any, joined: bool) -> int:
+    """Add to the (locked) rows of ``keys``: the joined UPDATE for integer keys, else one
+    UPDATE per distinct delta. How many statements ran."""
+    if not keys:
+        return 0
+    if joined:
+        _add_joined(cursor, n, keys, deltas, conn)
+        return 1
     by_delta: dict[int, list] = defaultdict(list)
     for key in keys:
         by_delta[deltas[key]].append(key)
