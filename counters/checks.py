@@ -377,8 +377,8 @@ def _counter_databases() -> list[str]:
 
 @register(Tags.database, Tags.compatibility)
 def check_databases(app_configs=None, databases=None, **kwargs):
-    """E080: a database the app has no statements for; E081: MySQL not at READ COMMITTED;
-    E082 (``check --database``, which connects): MySQL tables not in InnoDB."""
+    """E090: a database the app has no statements for; E091: MySQL not at READ COMMITTED;
+    E092 (``check --database``, which connects): MySQL tables not in InnoDB."""
     return [
         Error(reason, hint=hint, id=check_id)
         for alias in _counter_databases()

@@ -76,11 +76,11 @@ def mysql_storage(alias: str, conn: Any) -> str | None:
 
 #: Check id and hint of each problem (``check_databases`` in counters/checks.py).
 HINTS = {
-    "counters.E080": "Keep the counters app's tables in a supported database (a database "
+    "counters.E090": "Keep the counters app's tables in a supported database (a database "
     "router's allow_migrate for the app label 'counters').",
-    "counters.E081": "Remove OPTIONS['isolation_level'] (Django's default for MySQL is 'read "
+    "counters.E091": "Remove OPTIONS['isolation_level'] (Django's default for MySQL is 'read "
     "committed') or set it to 'read committed'.",
-    "counters.E082": "Set default_storage_engine=InnoDB (OPTIONS['init_command']) before "
+    "counters.E092": "Set default_storage_engine=InnoDB (OPTIONS['init_command']) before "
     "migrating, or ALTER TABLE … ENGINE=InnoDB.",
 }
 
@@ -92,8 +92,8 @@ def problems(alias: str, conn: Any, connect: bool = False) -> list[tuple[str, st
     """
     reason = unsupported(alias, conn)
     if reason:
-        return [("counters.E080", reason, HINTS["counters.E080"])]
-    found = [("counters.E081", mysql_isolation(alias, conn))]
+        return [("counters.E090", reason, HINTS["counters.E090"])]
+    found = [("counters.E091", mysql_isolation(alias, conn))]
     if connect:
-        found.append(("counters.E082", mysql_storage(alias, conn)))
+        found.append(("counters.E092", mysql_storage(alias, conn)))
     return [(check_id, why, HINTS[check_id]) for check_id, why in found if why]

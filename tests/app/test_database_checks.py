@@ -1,6 +1,6 @@
-"""``check`` refuses a database the counters app has no statements for (E080), a MySQL
-database not at READ COMMITTED (E081) and, with ``--database``, MySQL tables not in InnoDB
-(E082): before any row is written, not at the first flush."""
+"""``check`` refuses a database the counters app has no statements for (E090), a MySQL
+database not at READ COMMITTED (E091) and, with ``--database``, MySQL tables not in InnoDB
+(E092): before any row is written, not at the first flush."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_manage_py_check_refuses_an_oracle_database():
     )
     assert done.returncode == 1, done.stderr
     assert (
-        "?: (counters.E080) database 'legacy' (Oracle, engine 'tests.oracle_like') is not "
+        "?: (counters.E090) database 'legacy' (Oracle, engine 'tests.oracle_like') is not "
         "supported by the counters app: it runs on PostgreSQL, SQLite, MySQL 8.0+ and "
         "MariaDB 10.11+"
     ) in done.stderr, done.stderr
@@ -81,7 +81,7 @@ class NotOnLegacy:
 )
 def test_mysql_must_run_at_read_committed(databases, options, expected):
     found = databases(shop=mysql(**options))
-    assert [check_id for check_id, _ in found] == ["counters.E081"] * len(expected)
+    assert [check_id for check_id, _ in found] == ["counters.E091"] * len(expected)
     for (_, message), level in zip(found, expected, strict=True):
         assert message == (
             f"database 'shop' runs at isolation level {level}: the counters app needs "
@@ -96,7 +96,7 @@ def test_mysql_tables_must_be_innodb(monkeypatch):
     assert checks.check_databases(databases=["default"]) == []
     monkeypatch.setattr(connection.features, "_mysql_storage_engine", "MyISAM")
     [error] = checks.check_databases(databases=["default"])
-    assert error.id == "counters.E082"
+    assert error.id == "counters.E092"
     assert error.msg == (
         "database 'default' creates its tables with the MyISAM storage engine: the counters "
         "app needs InnoDB (transactions, row locks)"
