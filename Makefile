@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # PostgreSQL for the integration run of the suite (the first run uses SQLite).
 TEST_POSTGRES_URL ?= postgres://postgres@127.0.0.1:5432/postgres
+# MariaDB (or MySQL) for the third run; the test databases are test_tally_<pid>*.
+TEST_MARIADB_URL ?= mysql://root@127.0.0.1:3306/tally
 PYTEST_ARGS ?=
 # Test processes of each run (pytest-xdist, whole files per process); 0 runs the tests in one.
 PYTEST_WORKERS ?= 2
@@ -41,8 +43,8 @@ endef
 
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: install install-test run test test-sqlite test-postgres test-valkey test-django60 \
-	test-django60-sqlite test-django60-postgres lint migrate flush clean
+.PHONY: install install-test run test test-sqlite test-postgres test-mariadb test-valkey \
+	test-django60 test-django60-sqlite test-django60-postgres lint migrate flush clean
 
 install: $(VENV)/.installed
 
@@ -66,7 +68,7 @@ run: migrate
 	mkdir -p "$(PROMETHEUS_MULTIPROC_DIR)" && rm -f "$(PROMETHEUS_MULTIPROC_DIR)"/*.db
 	PROMETHEUS_MULTIPROC_DIR="$(PROMETHEUS_MULTIPROC_DIR)" $(BIN)/honcho start -f Procfile --port $(PORT)
 
-test: test-sqlite test-postgres test-valkey
+test: test-sqlite test-postgres test-mariadb test-valkey
 
 test-sqlite: install-test
 	$(BIN)/python scripts/ensure_redis.py
@@ -80,6 +82,11 @@ test-postgres: install-test
 # client on either server), which keeps this pass to a few minutes.
 test-valkey: install-test
 	$(call pytest_passes,TALLY_REDIS_SERVER=valkey DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(VALKEY_TESTS),and not redis_sentinel)
+
+# MariaDB/MySQL: the Redis Cluster runs stay with the PostgreSQL run, as for SQLite.
+test-mariadb: install-test
+	$(BIN)/python scripts/ensure_redis.py
+	$(call pytest_passes,DATABASE_URL=$(TEST_MARIADB_URL) $(BIN)/pytest,$(NO_CLUSTER))
 
 $(VENV_DJANGO60)/.installed-test: pyproject.toml
 	@test -n "$(PYTHON_DJANGO60)" || { echo "Django 6.0 needs Python 3.12+: set PYTHON_DJANGO60" >&2; exit 1; }

@@ -1,10 +1,12 @@
 """The bench's own data: users named ``<prefix>-u<i>``, their counter rows and notifications.
 
-Rows are written with set-based SQL (a recursive CTE works on PostgreSQL and
-SQLite alike) so a million of them take seconds, and deleted the same way.
+Rows are written with set-based SQL (a recursive CTE: PostgreSQL, SQLite, MySQL and
+MariaDB) so a million of them take seconds, and deleted the same way.
 """
 
 from __future__ import annotations
+
+from typing import Any, cast
 
 from django.contrib.auth import get_user_model
 from django.db import connection, models
@@ -31,6 +33,29 @@ def _series(count: int) -> str:
     return "s(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM s WHERE i < %s)"
 
 
+def _insert_series(count: int, insert: str, select: str) -> str:
+    """``insert`` (``INSERT INTO t (…)``) of ``select`` over the series ``s`` of :func:`_series`.
+
+    PostgreSQL and SQLite put the CTE first, MySQL after the INSERT, and cap its
+    recursion (``cte_max_recursion_depth``; MariaDB's ``max_recursive_iterations``),
+    which is raised for the session here.
+    """
+    if connection.vendor != "mysql":
+        return f"WITH RECURSIVE {_series(count)} {insert} {select}"
+    mariadb = cast(Any, connection).mysql_is_mariadb
+    depth = "max_recursive_iterations" if mariadb else "cte_max_recursion_depth"
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET SESSION {depth} = {max(1000, int(count) + 1)}")
+    return f"{insert} WITH RECURSIVE {_series(count)} {select}"
+
+
+def _concat(text: str, number: str) -> str:
+    """SQL text of ``text`` followed by the integer ``number`` (MySQL's ``||`` is OR)."""
+    if connection.vendor == "mysql":
+        return f"CONCAT({text}, {number})"
+    return f"{text} || CAST({number} AS TEXT)"
+
+
 def user_pattern(prefix: str) -> str:
     return f"{prefix}-u%"
 
@@ -55,16 +80,16 @@ def create_users(prefix: str, count: int) -> list[int]:
             continue
         columns.append(_qn(column(field)))
         if field.name == model.USERNAME_FIELD:
-            values.append("%s || CAST(s.i AS TEXT)")
+            values.append(_concat("%s", "s.i"))
             params.append(f"{prefix}-u")
         else:
             value = "!" if field.name == "password" else field.get_default()
             values.append("%s")
             params.append(field.get_db_prep_save(value, connection))
-    sql = (
-        f"WITH RECURSIVE {_series(count)} "
-        f"INSERT INTO {_qn(model._meta.db_table)} ({', '.join(columns)}) "
-        f"SELECT {', '.join(values)} FROM s"
+    sql = _insert_series(
+        count,
+        f"INSERT INTO {_qn(model._meta.db_table)} ({', '.join(columns)})",
+        f"SELECT {', '.join(values)} FROM s",
     )
     with connection.cursor() as cursor:
         cursor.execute(sql, [count - 1, *params])
@@ -109,8 +134,9 @@ def insert_notifications(
     now = Notification._meta.get_field("created_at").get_db_prep_value(timezone.now(), connection)
     with connection.cursor() as cursor:
         cursor.execute(
-            f"WITH RECURSIVE {_series(unread)} "
-            f"INSERT INTO {table} ({columns}) SELECT %s, 'bench', '', %s, %s FROM s",
+            _insert_series(
+                unread, f"INSERT INTO {table} ({columns})", "SELECT %s, 'bench', '', %s, %s FROM s"
+            ),
             [unread - 1, recipient, now, False],
         )
         if others <= 0:
@@ -120,11 +146,13 @@ def insert_notifications(
         )
         (users,) = cursor.fetchone()
         cursor.execute(
-            f"WITH RECURSIVE {_series(others)}, "
-            f"u(id, rn) AS (SELECT {user_id}, ROW_NUMBER() OVER (ORDER BY {user_id}) - 1 "
-            f"FROM {user_table} WHERE {username} LIKE %s) "
-            f"INSERT INTO {table} ({columns}) "
-            f"SELECT u.id, 'bench', '', %s, (s.i %% %s = 0) FROM s JOIN u ON u.rn = s.i %% %s",
+            _insert_series(
+                others,
+                f"INSERT INTO {table} ({columns})",
+                f", u(id, rn) AS (SELECT {user_id}, ROW_NUMBER() OVER (ORDER BY {user_id}) - 1 "
+                f"FROM {user_table} WHERE {username} LIKE %s) "
+                f"SELECT u.id, 'bench', '', %s, (s.i %% %s = 0) FROM s JOIN u ON u.rn = s.i %% %s",
+            ),
             [others - 1, user_pattern(prefix), now, read_every, users],
         )
 
@@ -144,6 +172,9 @@ def analyze(table: str) -> None:
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(f"VACUUM ANALYZE {_qn(table)}")
+        elif connection.vendor == "mysql":
+            cursor.execute(f"ANALYZE TABLE {_qn(table)}")
+            cursor.fetchall()
         else:
             cursor.execute(f"ANALYZE {_qn(table)}")
 

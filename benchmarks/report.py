@@ -6,7 +6,7 @@ import os
 import platform
 import sqlite3
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 import django
@@ -73,6 +73,9 @@ def _database_version() -> str:
             return f"PostgreSQL {cursor.fetchone()[0]}"
     if connection.vendor == "sqlite":
         return f"SQLite {sqlite3.sqlite_version}"
+    if connection.vendor == "mysql":
+        version = ".".join(str(part) for part in cast(Any, connection).mysql_version)
+        return f"{connection.display_name} {version}"
     return connection.display_name
 
 

@@ -113,6 +113,14 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 elif DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
     # One test database per test run, so two checkouts testing at once never share one.
     DATABASES["default"]["TEST"] = {"NAME": f"test_tally_{os.getpid()}"}
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
+    # MySQL/MariaDB: utf8mb4 (Django's "utf8" is the 3-byte utf8mb3 there), and Django's
+    # default isolation level, READ COMMITTED, which the counters app needs (check E081).
+    DATABASES["default"]["OPTIONS"] = {
+        "charset": "utf8mb4",
+        **DATABASES["default"].get("OPTIONS", {}),
+    }
+    DATABASES["default"]["TEST"] = {"NAME": f"test_tally_{os.getpid()}", "CHARSET": "utf8mb4"}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

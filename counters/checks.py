@@ -8,15 +8,16 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.db import connections, router
 from redis import RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from counters.base import conf
+from counters.base import backends, conf
 from counters.base.metrics import MULTIPROC_ENV, multiprocess_dir
 from counters.buffer.cluster import node_urls
 from counters.buffer.sentinel import master_options, sentinel_addresses
-from counters.client import get_client
+from counters.client import flushed_databases, get_client
 from counters.tracking.queryset import CountedQuerySet
 from counters.tracking.refusals import other_managers, problems, refused_models, uncounted_manager
 from counters.tracking.trackers import all_trackers, tracked_models
@@ -460,3 +461,23 @@ def check_acknowledge_middleware(app_configs=None, **kwargs):
             )
         ]
     return []
+
+
+def _counter_databases() -> list[str]:
+    """Aliases that may hold the counters app's tables, or that a flush drains."""
+    migrated = [alias for alias in connections if router.allow_migrate(alias, "counters")]
+    return list(dict.fromkeys([*migrated, *flushed_databases()]))
+
+
+@register(Tags.database, Tags.compatibility)
+def check_databases(app_configs=None, databases=None, **kwargs):
+    """E090: a database the app has no statements for; E091: MySQL not at READ COMMITTED;
+    E092 (``check --database``, which connects): MySQL tables not in InnoDB."""
+    return [
+        Error(reason, hint=hint, id=check_id)
+        for alias in _counter_databases()
+        if alias in connections  # an unknown alias in COUNTERS_DATABASES fails at its flush
+        for check_id, reason, hint in backends.problems(
+            alias, connections[alias], connect=alias in (databases or ())
+        )
+    ]

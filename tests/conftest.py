@@ -74,6 +74,12 @@ def is_postgres() -> bool:
     return connection.vendor == "postgresql"
 
 
+def has_row_locks() -> bool:
+    """Whether the database locks rows, so that connections queue on each other's rows
+    (PostgreSQL, MySQL/MariaDB with InnoDB); SQLite locks the whole database."""
+    return connection.vendor in ("postgresql", "mysql")
+
+
 def _delete_prefix(client, prefix: str) -> None:
     # "<prefix>:*" and the buffers of other databases, "<prefix>.<alias>:*"; on a cluster,
     # on every master (SCAN sees one node's keys)

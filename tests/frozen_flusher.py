@@ -33,10 +33,10 @@ def main() -> None:
         if not frozen:
             frozen = True
             pid = 0
-            if connection.vendor == "postgresql":
-                with connection.cursor() as cursor:
-                    cursor.execute("SELECT pg_backend_pid()")
-                    (pid,) = cursor.fetchone()
+            if connection.vendor in ("postgresql", "mysql"):
+                from tests.helpers import backend_pid
+
+                pid = backend_pid()
             print(f"frozen {pid}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
         return applied

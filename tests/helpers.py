@@ -97,3 +97,31 @@ def race(count: int, target: Callable[[int, threading.Barrier], Any], timeout: f
         t.join(timeout)
     assert [repr(e) for e in errors] == []
     return results
+
+
+def backend_pid() -> int:
+    """The server's id of this thread's connection (PostgreSQL, MySQL/MariaDB)."""
+    sql = "SELECT CONNECTION_ID()" if connection.vendor == "mysql" else "SELECT pg_backend_pid()"
+    with connection.cursor() as cursor:
+        cursor.execute(sql)
+        return cursor.fetchone()[0]
+
+
+def lock_poll() -> float:
+    """Seconds between two calls of :func:`waits_on_lock`: InnoDB refreshes what
+    ``information_schema.INNODB_TRX`` shows only when it was not read for 0.1 s."""
+    return 0.15 if connection.vendor == "mysql" else 0.01
+
+
+def waits_on_lock(pid: int) -> bool:
+    """Whether the session ``pid`` (:func:`backend_pid`) is waiting on a row lock now
+    (call it every :func:`lock_poll` seconds)."""
+    if connection.vendor == "mysql":
+        sql = "SELECT trx_state = 'LOCK WAIT' FROM information_schema.INNODB_TRX "
+        sql += "WHERE trx_mysql_thread_id = %s"
+    else:
+        sql = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [pid])
+        row = cursor.fetchone()
+    return bool(row and row[0])

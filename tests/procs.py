@@ -18,7 +18,8 @@ def database_url(application_name: str | None = None) -> str:
     """URL of the database the tests run on (the test database, not the configured one).
 
     ``application_name`` (PostgreSQL) names the subprocess's connections in
-    ``pg_stat_activity``; dj-database-url passes it on as a connection option.
+    ``pg_stat_activity``; dj-database-url passes it on as a connection option
+    (other databases have no such name: it is left out).
     """
     s = connection.settings_dict
     if connection.vendor == "postgresql":
@@ -33,6 +34,11 @@ def database_url(application_name: str | None = None) -> str:
         return url
     if connection.vendor == "sqlite":
         return f"sqlite:///{s['NAME']}"
+    if connection.vendor == "mysql":
+        user = quote(s.get("USER") or "")
+        if s.get("PASSWORD"):
+            user += ":" + quote(s["PASSWORD"])
+        return f"mysql://{user}@{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or 3306}/{s['NAME']}"
     raise NotImplementedError(connection.vendor)
 
 

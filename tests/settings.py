@@ -1,7 +1,7 @@
 """Settings of the test suite: the project's settings plus a second database, "other".
 
-"other" uses the engine of "default" (SQLite: a file of its own; PostgreSQL:
-the same server), with a test database name of this run alone, so tests can
+"other" uses the engine of "default" (SQLite: a file of its own; PostgreSQL,
+MySQL/MariaDB: the same server), with a test database name of this run alone, so tests can
 check that each database gets its own deltas. Subprocesses started by the
 tests (tests/procs.py) run with ``config.settings`` and one database.
 """
@@ -24,7 +24,7 @@ else:
     DATABASES["other"] = {
         **_default,
         "NAME": f"{_default['NAME']}_other",
-        "TEST": {"NAME": f"test_tally_other_{os.getpid()}"},
+        "TEST": {**_default.get("TEST", {}), "NAME": f"test_tally_other_{os.getpid()}"},
     }
 
 # A flush without an alias drains only "default" here: tests that declare only

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any, TypeVar, cast, overload
 
@@ -81,3 +81,18 @@ def column(field: models.Field[Any, Any]) -> str:
 def stamped(field: models.Field[Any, Any]) -> bool:
     """Whether ``save()`` fills ``field`` with the current time (``auto_now``/``auto_now_add``)."""
     return bool(getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False))
+
+
+def on_duplicate_key(conn: Any) -> tuple[str, Callable[[str], str]]:
+    """MySQL's ``ON DUPLICATE KEY UPDATE``, written as Django writes it for this server.
+
+    Returns the text to put between ``VALUES (…)`` and ``ON DUPLICATE KEY UPDATE``
+    and a function naming the value a quoted column would have been inserted
+    with: ``VALUE(c)`` on MariaDB, the row alias ``new`` on MySQL 8.0.19+
+    (where ``VALUES(c)`` is deprecated), ``VALUES(c)`` before.
+    """
+    if conn.mysql_is_mariadb:
+        return "", lambda c: f"VALUE({c})"
+    if conn.mysql_version >= (8, 0, 19):
+        return " AS new", lambda c: f"new.{c}"
+    return "", lambda c: f"VALUES({c})"

@@ -15,10 +15,14 @@ from django.db import connections
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
-from counters.base.utils import column, model_field
+from counters.base.utils import batched, column, model_field
 from counters.buffer.store import Batch, Buffer
 from counters.flushing.epoch import record_applied
 from counters.models import BufferEpoch, FlushBatch
+
+#: Ledger rows deleted by one statement of :func:`prune_ledger`, and by one call.
+PRUNE_CHUNK = 1000
+PRUNE_LIMIT = 100_000
 
 
 def record_batch(batch: Batch, using: str) -> None:
@@ -54,13 +58,18 @@ def record_batch(batch: Batch, using: str) -> None:
 
 
 def prune_ledger(buffer: Buffer, using: str, retention: int) -> int:
-    """Delete ledger rows older than ``retention`` seconds, except batches still in flight."""
+    """Delete ledger rows older than ``retention`` seconds, except batches still in flight.
+
+    The old rows are read first and deleted by primary key, so the DELETE locks
+    only them: InnoDB's DELETE by ``applied_at`` would lock every row it scans,
+    and wait for a frozen flusher's uncommitted one past the flush's budget.
+    At most :data:`PRUNE_LIMIT` rows a call: the next run deletes the rest.
+    """
     cutoff = timezone.now() - timedelta(seconds=retention)
-    keep = list(buffer.inflight_ids().values())
-    deleted, _ = (
-        FlushBatch.objects.using(using)
-        .filter(applied_at__lt=cutoff)
-        .exclude(batch_id__in=keep)
-        .delete()
-    )
+    keep = set(buffer.inflight_ids().values())
+    rows = FlushBatch.objects.using(using)
+    old = rows.filter(applied_at__lt=cutoff).order_by().values_list("batch_id", flat=True)
+    deleted = 0
+    for chunk in batched([i for i in old[:PRUNE_LIMIT] if i not in keep], PRUNE_CHUNK):
+        deleted += rows.filter(batch_id__in=chunk).delete()[0]
     return deleted

@@ -1,4 +1,4 @@
-"""Bounded database waits for the flush, and who blocks a flush (PostgreSQL).
+"""Bounded database waits for the flush, and who blocks a flush.
 
 A flusher frozen inside its apply transaction (a VM paused, a host lost
 without a TCP reset) keeps its row locks and its uncommitted ledger row. The
@@ -11,7 +11,10 @@ under limits derived from the time budget and the lease (:func:`apply_limits`):
   a frozen flusher's session, which rolls its transaction back, so the next
   flush applies the batch (exactly once: the ledger row was never committed);
 - MySQL/MariaDB: the session's ``innodb_lock_wait_timeout`` (whole seconds),
-  restored afterwards;
+  statement limit (MariaDB's ``max_statement_time``, MySQL's
+  ``max_execution_time``) and idle limit (MariaDB's ``idle_transaction_timeout``,
+  which ends a frozen flusher's session as PostgreSQL does; MySQL's
+  ``wait_timeout``), restored afterwards (:func:`mysql_limits`);
 - SQLite: its busy timeout (``PRAGMA busy_timeout``), restored afterwards.
 
 A lock or statement timeout is an ``OperationalError``: the batch stays in
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -95,9 +98,10 @@ def atomic(using: str) -> Iterator[None]:
     """``transaction.atomic(using)`` under the limits of the enclosing :func:`limited`.
 
     PostgreSQL: ``SET LOCAL`` of the three timeouts, first thing in the
-    transaction (one round trip). SQLite and MySQL: the session's lock wait,
-    set before BEGIN (SQLite's ``BEGIN IMMEDIATE`` already waits for the lock)
-    and put back after the transaction. Without limits, a plain ``atomic``.
+    transaction (one round trip). MySQL/MariaDB: the session's three limits,
+    set before BEGIN in one statement and put back after the transaction.
+    SQLite: the session's lock wait (its ``BEGIN IMMEDIATE`` already waits
+    for the lock). Without limits, a plain ``atomic``.
     """
     limits = _current.get()
     if limits is None:
@@ -106,7 +110,7 @@ def atomic(using: str) -> Iterator[None]:
         return
     conn = connections[using]
     # PostgreSQL needs no session setting (and its two round trips per batch) here.
-    outer = session(using, limits) if conn.vendor != "postgresql" else nullcontext()
+    outer = session(using, limits, whole=True) if conn.vendor != "postgresql" else nullcontext()
     with outer, transaction.atomic(using=using):
         if conn.vendor == "postgresql":
             with conn.cursor() as cursor:
@@ -120,12 +124,14 @@ def atomic(using: str) -> Iterator[None]:
 
 
 @contextmanager
-def session(using: str, limits: Limits) -> Iterator[None]:
+def session(using: str, limits: Limits, whole: bool = False) -> Iterator[None]:
     """Bound every lock wait of ``using``'s session to ``limits.lock`` within the block.
 
-    The previous value is put back on exit (when the connection still works).
+    The previous values are put back on exit (when the connection still works).
     PostgreSQL: ``lock_timeout``; SQLite: ``PRAGMA busy_timeout``;
-    MySQL/MariaDB: ``innodb_lock_wait_timeout`` (whole seconds). Others: nothing.
+    MySQL/MariaDB: ``innodb_lock_wait_timeout`` (whole seconds), and with
+    ``whole`` the statement and idle limits too (:func:`mysql_limits`).
+    Others: nothing.
     """
     conn = connections[using]
     setting: AbstractContextManager[None]
@@ -133,19 +139,28 @@ def session(using: str, limits: Limits) -> Iterator[None]:
         setting = _restored(
             conn,
             "SELECT current_setting('lock_timeout')",
-            "SELECT set_config('lock_timeout', %s, false)",
-            str(_ms(limits.lock)),
+            lambda v: ("SELECT set_config('lock_timeout', %s, false)", [v[0]]),
+            [str(_ms(limits.lock))],
         )
     elif conn.vendor == "sqlite":
         setting = _restored(
-            conn, "PRAGMA busy_timeout", "PRAGMA busy_timeout = {}", _ms(limits.lock)
+            conn,
+            "PRAGMA busy_timeout",
+            lambda v: (f"PRAGMA busy_timeout = {int(v[0])}", []),  # PRAGMA takes no parameters
+            [_ms(limits.lock)],
         )
     elif conn.vendor == "mysql":
+        names, values = zip(*mysql_limits(conn, limits, whole), strict=True)
         setting = _restored(
             conn,
-            "SELECT @@SESSION.innodb_lock_wait_timeout",
-            "SET SESSION innodb_lock_wait_timeout = {}",
-            max(1, math.ceil(limits.lock)),
+            "SELECT " + ", ".join(f"@@SESSION.{name}" for name in names),
+            # SET takes no parameters for a system variable's value: numbers, written in.
+            lambda v: (
+                "SET SESSION "
+                + ", ".join(f"{n} = {_number(x)}" for n, x in zip(names, v, strict=True)),
+                [],
+            ),
+            values,
         )
     else:
         setting = nullcontext()
@@ -153,24 +168,54 @@ def session(using: str, limits: Limits) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def _restored(conn: Any, read: str, write: str, value: Any) -> Iterator[None]:
-    """Set a session setting to ``value``, and back to what it was on exit.
+def mysql_limits(conn: Any, limits: Limits, whole: bool) -> list[tuple[str, Any]]:
+    """The session variables bounding a MySQL/MariaDB flush, with their values.
 
-    ``write`` takes the value as a ``%s`` parameter, or (PRAGMA and SET,
-    which take no parameters) formatted in as an integer with ``{}``.
+    ``innodb_lock_wait_timeout`` (whole seconds); with ``whole`` (the apply
+    transaction) also the statement limit, MariaDB's ``max_statement_time``
+    (seconds) or MySQL's ``max_execution_time`` (milliseconds, read-only
+    SELECTs alone), and the idle limit: MariaDB's ``idle_transaction_timeout``
+    ends a session idle inside a transaction, as PostgreSQL's
+    ``idle_in_transaction_session_timeout`` does; MySQL has only the
+    session's ``wait_timeout`` (idle anywhere), which the flush holds for the
+    transaction alone.
+    """
+    variables: list[tuple[str, Any]] = [
+        ("innodb_lock_wait_timeout", max(1, math.ceil(limits.lock)))
+    ]
+    if whole and conn.mysql_is_mariadb:
+        variables += [
+            ("max_statement_time", round(limits.statement, 3)),
+            ("idle_transaction_timeout", math.ceil(limits.idle)),
+        ]
+    elif whole:
+        variables += [
+            ("max_execution_time", _ms(limits.statement)),
+            ("wait_timeout", math.ceil(limits.idle)),
+        ]
+    return variables
+
+
+#: The statement (and its parameters) that sets a session's settings to the values given.
+Writer = Callable[[Sequence[Any]], tuple[str, list[Any]]]
+
+
+@contextmanager
+def _restored(conn: Any, read: str, write: Writer, values: Sequence[Any]) -> Iterator[None]:
+    """Set session settings to ``values``, and back to what they were on exit.
+
+    ``read`` returns the settings' current values as one row, in the order
+    ``write`` takes them: one statement each way, whatever their number.
     """
 
-    def put(cursor: Any, new: Any) -> None:
-        if "%s" in write:
-            cursor.execute(write, [new])
-        else:
-            cursor.execute(write.format(int(new)))
+    def put(cursor: Any, new: Sequence[Any]) -> None:
+        sql, params = write(new)
+        cursor.execute(sql, params or None)
 
     with conn.cursor() as cursor:
         cursor.execute(read)
-        (before,) = cursor.fetchone()
-        put(cursor, value)
+        before = cursor.fetchone()
+        put(cursor, values)
     try:
         yield
     finally:
@@ -180,6 +225,12 @@ def _restored(conn: Any, read: str, write: str, value: Any) -> Iterator[None]:
                     put(cursor, before)
         except DatabaseError as exc:  # the connection broke: it is replaced, setting and all
             logger.debug("could not restore a session setting: %s", exc)
+
+
+def _number(value: Any) -> str:
+    """A number as an SQL literal (a setting read back may be a Decimal or a string)."""
+    number = float(value)
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 #: Sessions of this database waiting on a lock, each with a session blocking it.
@@ -205,29 +256,60 @@ def flush_tables() -> list[str]:
     return sorted(tables)
 
 
+#: The same on MySQL 8 and MariaDB 10.6+ (their sys schema), with both sessions' whole
+#: statements (the view's own are cut to 64 characters) and the table waited on.
+BLOCKED_SQL_MYSQL = """
+SELECT w.waiting_pid, NULL, 'active', w.wait_age_secs, LEFT(wp.INFO, 200),
+       w.blocking_pid, NULL,
+       CASE WHEN bp.COMMAND = 'Sleep' THEN 'idle in transaction' ELSE 'active' END,
+       SUBSTRING_INDEX(bp.HOST, ':', 1),
+       TIMESTAMPDIFF(SECOND, w.blocking_trx_started, NOW()), LEFT(bp.INFO, 200),
+       w.locked_table
+FROM sys.innodb_lock_waits AS w
+LEFT JOIN information_schema.PROCESSLIST AS wp ON wp.ID = w.waiting_pid
+LEFT JOIN information_schema.PROCESSLIST AS bp ON bp.ID = w.blocking_pid
+WHERE w.waiting_pid <> CONNECTION_ID()
+ORDER BY w.waiting_pid, w.blocking_pid
+"""
+
+
+def _waits(conn: Any) -> list[tuple]:
+    """Rows of :data:`BLOCKED_SQL` (or its MySQL twin) on this database; [] elsewhere."""
+    if conn.vendor == "postgresql":
+        sql = BLOCKED_SQL
+    elif conn.vendor == "mysql":
+        sql = BLOCKED_SQL_MYSQL
+    else:
+        return []
+    try:
+        with conn.cursor() as cursor:
+            cursor.execute(sql)
+            rows = cursor.fetchall()
+    except DatabaseError as exc:
+        logger.debug("lock waits could not be read: %s", exc)
+        return []
+    if conn.vendor == "mysql":  # the sys view shows every database: keep this one's
+        here = f"`{conn.settings_dict['NAME']}`."
+        rows = [row[:11] for row in rows if (row[11] or "").startswith(here)]
+    return rows
+
+
 def blocked_flushes(using: str) -> list[dict[str, Any]]:
-    """Flush statements of ``using`` waiting on a lock, and the session holding it (PostgreSQL).
+    """Flush statements of ``using`` waiting on a lock, and the session holding it.
 
     A statement counts as a flush's when it writes the ledger, the epochs or a
     counter table. Each entry: ``pid``, ``application``, ``waiting_seconds``,
     ``query`` of the waiting session and ``blocked_by``: ``pid``,
     ``application``, ``state`` (``idle in transaction`` for a frozen client),
-    ``client``, ``transaction_seconds``, ``query``. Empty elsewhere, and when
-    ``pg_stat_activity`` cannot be read (logged at DEBUG).
+    ``client``, ``transaction_seconds``, ``query``. PostgreSQL reads
+    ``pg_stat_activity``; MySQL and MariaDB ``sys.innodb_lock_waits`` (no
+    application names there). Empty elsewhere, and when they cannot be read
+    (logged at DEBUG; MySQL needs the PROCESS privilege).
     """
     conn = connections[using]
-    if conn.vendor != "postgresql":
-        return []
-    try:
-        with conn.cursor() as cursor:
-            cursor.execute(BLOCKED_SQL)
-            rows = cursor.fetchall()
-    except DatabaseError as exc:
-        logger.debug("pg_stat_activity could not be read: %s", exc)
-        return []
     tables = flush_tables()
     blocked: list[dict[str, Any]] = []
-    for row in rows:
+    for row in _waits(conn):
         query = row[4] or ""
         if not any(table in query for table in tables):
             continue

@@ -264,6 +264,7 @@ def _read_rows(spec: CounterSpec, keys: list, batch_ids: set[str], using: str) -
     ledger = qn(FlushBatch._meta.db_table)
     ledger_pk = qn(column(model_field(FlushBatch, "pk")))
     unsettled_col = qn(column(model_field(FlushBatch, "unsettled")))
+    kind_col = qn(column(model_field(FlushBatch, "kind")))
     ids = sorted(batch_ids)
     sql = (
         f"SELECT {key_col}, {value_col}, NULL, NULL FROM {table} "
@@ -276,10 +277,14 @@ def _read_rows(spec: CounterSpec, keys: list, batch_ids: set[str], using: str) -
             f"WHERE {ledger_pk} IN ({', '.join(['%s'] * len(ids))})"
         )
         params += ids
+    # The JSON as text on every backend (MySQL casts to CHAR, not TEXT). Only direct writes
+    # are unsettled: the kind lets MySQL, which has no partial index, use counters_fallback.
+    text = "CHAR" if conn.vendor == "mysql" else "TEXT"
     sql += (
-        f" UNION ALL SELECT NULL, NULL, {ledger_pk}, CAST({unsettled_col} AS TEXT) FROM {ledger} "
-        f"WHERE {unsettled_col} IS NOT NULL"
+        f" UNION ALL SELECT NULL, NULL, {ledger_pk}, CAST({unsettled_col} AS {text}) FROM {ledger} "
+        f"WHERE {kind_col} = %s AND {unsettled_col} IS NOT NULL"
     )
+    params.append(FlushBatch.Kind.FALLBACK.value)
     rows = _Rows({}, set(), {})
     with conn.cursor() as cursor:
         cursor.execute(sql, params)

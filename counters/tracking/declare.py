@@ -27,7 +27,7 @@ from django.core.exceptions import FieldDoesNotExist
 from django.db import models
 from django.db.models import Q
 
-from counters.base import registry
+from counters.base import backends, registry
 from counters.base.exceptions import TrackedTooEarly, TrackingError, UnknownCounter
 from counters.base.utils import concrete_model, related_model, target_field
 from counters.tracking import refusals
@@ -126,7 +126,7 @@ def _validate(
                 f"amount {amount!r} is a {amount_field.get_internal_type()}, not an integer field",
             )
     try:
-        condition, where_attnames = compile_where(source, where)
+        condition, where_attnames = compile_where(source, where, mysql=backends.any_mysql())
     except WhereError as exc:
         check_id = "counters.E010" if exc.unknown_field else "counters.E011"
         raise TrackingError(check_id, name, str(exc)) from None

@@ -3,7 +3,8 @@
 Only lookups whose Python answer is the database's answer are accepted:
 ``exact``, ``in`` and ``isnull`` on fields compared by value, and ``gt``,
 ``gte``, ``lt``, ``lte`` on numbers, dates and times (text is left out: its
-order is the database collation's). ``&``, ``|``, ``^`` and ``~`` combine
+order is the database collation's; on MySQL and MariaDB, so is its equality,
+unless the collation is binary: see :func:`compile_where`). ``&``, ``|``, ``^`` and ``~`` combine
 them. A lookup with ``None`` or on NULL is false, as in SQL; under ``~``
 Django makes every comparison two-valued, and so does Python. A relation
 traversal (``post__title``) or an expression (``F("a")``) cannot be decided
@@ -112,21 +113,48 @@ def python_value(field: models.Field, value: Any) -> Any:
     return value
 
 
-def compile_where(model: type[models.Model], where: Q | None) -> tuple[Predicate, set[str]]:
-    """A predicate over ``{attname: value}`` rows, and the attnames it reads."""
+#: Text kinds: compared by the column's collation on MySQL and MariaDB.
+TEXT = {"CharField", "TextField", "SlugField"}
+
+
+def compile_where(
+    model: type[models.Model], where: Q | None, *, mysql: bool = False
+) -> tuple[Predicate, set[str]]:
+    """A predicate over ``{attname: value}`` rows, and the attnames it reads.
+
+    ``mysql``: the rows may be in MySQL or MariaDB, whose answer differs from
+    Python's in two places, both refused: text compared under a collation
+    other than a binary NO PAD one (``'a' = 'A' = 'a '`` by default), and
+    ``^`` over a nullable column (MySQL's own XOR is NULL when an operand
+    is; Django's emulation elsewhere reads NULL as false, as Python does).
+    """
     if where is None:
         return (lambda row: True), set()
     if not isinstance(where, Q):
         raise WhereError(f"where must be a Q object, not {type(where).__name__}")
     attnames: set[str] = set()
-    return _node(model, where, attnames), attnames
+    return _node(model, where, attnames, mysql), attnames
 
 
-def _node(model: type[models.Model], q: Q, attnames: set[str]) -> Predicate:
+def _node(model: type[models.Model], q: Q, attnames: set[str], mysql: bool) -> Predicate:
+    read: set[str] = set()
     parts = [
-        _node(model, child, attnames) if isinstance(child, Q) else _leaf(model, child, attnames)
+        _node(model, child, read, mysql)
+        if isinstance(child, Q)
+        else _leaf(model, child, read, mysql)
         for child in q.children
     ]
+    attnames |= read
+    if q.connector == Q.XOR and mysql:
+        nullable = sorted(
+            f.name for f in model._meta.concrete_fields if f.attname in read and f.null
+        )
+        if nullable:
+            raise WhereError(
+                f"where {q}: ^ over the nullable {', '.join(nullable)} is NULL on MySQL "
+                "and MariaDB when a value is NULL, which Python cannot follow (write it "
+                "with &, | and ~)"
+            )
     if len(parts) == 1 and q.connector != Q.XOR:
         (test,) = parts
     elif q.connector == Q.OR:
@@ -147,7 +175,7 @@ def _node(model: type[models.Model], q: Q, attnames: set[str]) -> Predicate:
     return test
 
 
-def _leaf(model: type[models.Model], child: Any, attnames: set[str]) -> Predicate:
+def _leaf(model: type[models.Model], child: Any, attnames: set[str], mysql: bool) -> Predicate:
     if not (isinstance(child, tuple) and len(child) == 2 and isinstance(child[0], str)):
         raise WhereError(f"{child!r} is not a field lookup")
     path, value = child
@@ -179,6 +207,12 @@ def _leaf(model: type[models.Model], child: Any, attnames: set[str]) -> Predicat
         raise WhereError(
             f"where {path!r}: {lookup!r} on a {kind} may not give the database's answer in Python"
         )
+    if mysql and kind in TEXT and lookup != "isnull" and not _exact_collation(field):
+        raise WhereError(
+            f"where {path!r}: MySQL and MariaDB compare text by the column's collation "
+            "('a' = 'A' = 'a ' by default), Python exactly: give the field a binary NO PAD "
+            "db_collation (utf8mb4_0900_bin on MySQL, utf8mb4_nopad_bin on MariaDB)"
+        )
     if is_expression(value) or (
         lookup == "in" and not isinstance(value, str) and any(map(is_expression, _items(value)))
     ):
@@ -202,6 +236,12 @@ def _leaf(model: type[models.Model], child: Any, attnames: set[str]) -> Predicat
         raise WhereError(f"where {path!r}: {value!r} is not a value of that field ({exc})") from exc
     compare = _COMPARE[lookup]
     return lambda row: row[attname] is not None and compare(row[attname], target)
+
+
+def _exact_collation(field: models.Field) -> bool:
+    """Whether MySQL compares ``field``'s text byte for byte, trailing spaces included."""
+    collation = getattr(field, "db_collation", None) or ""
+    return collation == "binary" or collation.endswith(("_nopad_bin", "_0900_bin"))
 
 
 def _is_field(model: type[models.Model], name: str) -> bool:

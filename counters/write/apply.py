@@ -8,8 +8,9 @@ in every statement, so concurrent appliers queue on each other and never
 deadlock. Deltas whose foreign-key target row is gone are dropped and counted
 (and, for a counter keyed by a natural key, kept: :mod:`counters.write.natural_keys`).
 
-The statements of PostgreSQL and SQLite are in :mod:`counters.write.upsert`;
-any other database gets the generic applier here.
+The statements of PostgreSQL and SQLite are in :mod:`counters.write.upsert`,
+those of MySQL and MariaDB in :mod:`counters.write.upsert_mysql` (``ON DUPLICATE
+KEY UPDATE``); any other database gets the generic applier here.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from counters.base.registry import CounterSpec, get_spec
 from counters.base.utils import LOG_DELTAS, batched, first_line
 from counters.write import natural_keys
 from counters.write.upsert import CHUNK, apply_postgresql, apply_sqlite, new_value
+from counters.write.upsert_mysql import apply_mysql
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +148,7 @@ def _apply_generic(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> t
 APPLIERS: dict[str, Callable[[CounterSpec, Mapping[Any, int], str], tuple[set, int]]] = {
     "postgresql": apply_postgresql,
     "sqlite": apply_sqlite,
+    "mysql": apply_mysql,
 }
 
 

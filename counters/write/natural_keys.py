@@ -26,7 +26,7 @@ from django.db import connections, models
 from django.db.models.fields import AutoFieldMixin
 
 from counters.base.registry import CounterSpec
-from counters.base.utils import batched, target_field
+from counters.base.utils import batched, on_duplicate_key, target_field
 from counters.models import Tombstone
 
 
@@ -76,17 +76,23 @@ def keep(spec: CounterSpec, values: Mapping[Any, int], using: str) -> None:
     if not rows:
         return
     conn = connections[using]
-    if conn.vendor not in ("postgresql", "sqlite"):
+    if conn.vendor not in ("postgresql", "sqlite", "mysql"):
         _keep_generic(spec, rows, using)
         return
     qn = conn.ops.quote_name
     table = qn(Tombstone._meta.db_table)
+    if conn.vendor == "mysql":
+        alias, new = on_duplicate_key(conn)
+        upsert = f"{alias} ON DUPLICATE KEY UPDATE value = {table}.value + {new('value')}"
+    else:
+        upsert = (
+            f" ON CONFLICT (counter, {qn('key')}) "
+            f"DO UPDATE SET value = {table}.value + excluded.value"
+        )
     with conn.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {table} (counter, {qn('key')}, value) "
-            f"VALUES {', '.join(['(%s, %s, %s)'] * len(rows))} "
-            f"ON CONFLICT (counter, {qn('key')}) "
-            f"DO UPDATE SET value = {table}.value + excluded.value",
+            f"VALUES {', '.join(['(%s, %s, %s)'] * len(rows))}{upsert}",
             [p for key, value in rows for p in (spec.name, key, value)],
         )
     Tombstone.objects.using(using).filter(

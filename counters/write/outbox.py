@@ -35,7 +35,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Count, Min
 from django.utils import timezone
 
-from counters.base import conf
+from counters.base import backends, conf
 from counters.buffer.store import PUSH_MARKER_TTL_MS
 from counters.models import Outbox
 
@@ -126,12 +126,17 @@ def claim_row(push_id: str, using: str) -> dict[str, int] | None:
     """
     conn = connections[using]
     qn = conn.ops.quote_name
+    table, key, deltas = qn(_table()), qn("push_id"), qn("deltas")
     with conn.cursor() as cursor:
-        cursor.execute(
-            f"DELETE FROM {qn(_table())} WHERE {qn('push_id')} = %s RETURNING {qn('deltas')}",
-            [push_id],
-        )
-        row = cursor.fetchone()
+        if conn.vendor == "mysql" and not backends.is_mariadb(conn):
+            # MySQL has no DELETE … RETURNING: lock the row, read it, delete it.
+            cursor.execute(f"SELECT {deltas} FROM {table} WHERE {key} = %s FOR UPDATE", [push_id])
+            row = cursor.fetchone()
+            if row is not None:
+                cursor.execute(f"DELETE FROM {table} WHERE {key} = %s", [push_id])
+        else:
+            cursor.execute(f"DELETE FROM {table} WHERE {key} = %s RETURNING {deltas}", [push_id])
+            row = cursor.fetchone()
     if row is None:
         return None
     value = row[0]

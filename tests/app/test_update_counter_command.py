@@ -12,6 +12,7 @@ from django.db import connection, transaction
 from counters.client import get_buffer
 from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
+from tests.conftest import has_row_locks
 from tests.helpers import assert_exact, stored, truth
 from tests.procs import manage, project_env, run_manage
 
@@ -77,7 +78,7 @@ def test_bad_argument_exits_non_zero_with_one_line():
     assert err.strip().splitlines() == ["CommandError: --time-budget must be greater than 0"]
 
 
-@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs row locks")
+@pytest.mark.skipif(not has_row_locks(), reason="needs row locks between connections")
 def test_flusher_killed_inside_its_transaction_loses_nothing(make_user):
     """SIGKILL a real flusher while it waits on a counter row inside its DB transaction."""
     alice, bob = make_user(), make_user()

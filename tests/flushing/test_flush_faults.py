@@ -18,6 +18,7 @@ from counters.flushing.result import FlushResult
 from counters.flushing.shard import apply_batch
 from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
+from tests.conftest import has_row_locks
 from tests.helpers import assert_exact, stored, truth
 
 pytestmark = [
@@ -110,7 +111,7 @@ def test_second_flush_of_an_applied_batch_only_acknowledges(users_with_notificat
     assert_exact(*users)
 
 
-@pytest.mark.skipif("connection.vendor != 'postgresql'")
+@pytest.mark.skipif(not has_row_locks(), reason="needs row locks between connections")
 def test_two_appliers_of_one_batch_apply_it_once(make_user):
     """A lease that expired mid-apply: both flushers hold the batch; the ledger lets one win."""
     users = [make_user() for _ in range(3)]

@@ -65,8 +65,18 @@ def session_settings() -> tuple:
                 "current_setting('idle_in_transaction_session_timeout')"
             )
             return cursor.fetchone()
+        if connection.vendor == "mysql":
+            cursor.execute(f"SELECT {', '.join(f'@@SESSION.{v}' for v in mysql_variables())}")
+            return cursor.fetchone()
         cursor.execute("PRAGMA busy_timeout")
         return cursor.fetchone()
+
+
+def mysql_variables() -> list[str]:
+    """The lock wait, statement and idle limits of a MySQL or MariaDB session."""
+    if connection.mysql_is_mariadb:
+        return ["innodb_lock_wait_timeout", "max_statement_time", "idle_transaction_timeout"]
+    return ["innodb_lock_wait_timeout", "max_execution_time", "wait_timeout"]
 
 
 def test_the_apply_transaction_runs_under_the_limits(settings, make_user):
@@ -91,6 +101,14 @@ def test_the_apply_transaction_runs_under_the_limits(settings, make_user):
             assert 19_000 < as_ms(lock) <= 20_000
             assert as_ms(statement) == as_ms(lock)
             assert as_ms(idle) == 60_000
+    elif connection.vendor == "mysql":
+        # The lock wait in whole seconds; MariaDB's statement limit in seconds, MySQL's in
+        # milliseconds; the idle limit in seconds.
+        scale = 1 if connection.mysql_is_mariadb else 1000
+        for lock, statement, idle in seen:
+            assert lock == 20, seen
+            assert 19 * scale < float(statement) <= 20 * scale, seen
+            assert idle == 60, seen
     else:
         assert all(19_000 < busy <= 20_000 for (busy,) in seen), seen
     assert session_settings() == before  # put back after the flush
@@ -116,7 +134,7 @@ def wait_for(predicate, seconds: float, what: str):
         if value:
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+        time.sleep(0.2)  # MySQL's lock waits refresh when unread for 0.1 s
 
 
 @pytest.fixture
@@ -155,15 +173,18 @@ def test_a_frozen_flusher_blocks_no_flush_past_its_budget(users, end):
         wait_for(lambda: not buffer.client.exists(buffer.key(0, "lease")), 30, "lease expiry")
         started = time.monotonic()
         second = manage("counters_flush", "--time-budget", str(BUDGET), env=env(SECOND_APP))
-        if connection.vendor == "postgresql":
+        if connection.vendor in ("postgresql", "mysql"):
             [wait] = wait_for(lambda: blocked_by(frozen_pid), 30, "the blocked flush")
-            assert wait["application"] == SECOND_APP
-            assert wait["blocked_by"]["application"] == FROZEN_APP
+            # Application names are PostgreSQL's: MySQL sessions have none.
+            second_app, frozen_app = (
+                (SECOND_APP, FROZEN_APP) if connection.vendor == "postgresql" else ("-", "-")
+            )
+            assert wait["application"] == (None if second_app == "-" else second_app)
             assert wait["blocked_by"]["state"] == "idle in transaction"
             out = io.StringIO()
             call_command("counters_status", stdout=out)
-            assert f"BLOCKED FLUSH: pid {wait['pid']} ({SECOND_APP})" in out.getvalue()
-            assert f"held by pid {frozen_pid} ({FROZEN_APP}, idle in transaction" in (
+            assert f"BLOCKED FLUSH: pid {wait['pid']} ({second_app})" in out.getvalue()
+            assert f"held by pid {frozen_pid} ({frozen_app}, idle in transaction" in (
                 out.getvalue()
             )
             payload = io.StringIO()
@@ -178,6 +199,11 @@ def test_a_frozen_flusher_blocks_no_flush_past_its_budget(users, end):
             assert message == (
                 "CommandError: flush failed in 1 shard(s); shard 0: "
                 "canceling statement due to lock timeout"
+            ), err
+        elif connection.vendor == "mysql":
+            assert message == (
+                "CommandError: flush failed in 1 shard(s); shard 0: "
+                "(1205, 'Lock wait timeout exceeded; try restarting transaction')"
             ), err
         else:  # SQLite locks the whole database: the ledger's pruning fails too
             assert message == "CommandError: database error: database is locked", err

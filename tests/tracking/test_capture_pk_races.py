@@ -19,6 +19,7 @@ from django.db import IntegrityError, connection, transaction
 
 from counters.tracking import counting
 from notifications.models import Notification
+from tests.conftest import has_row_locks
 from tests.helpers import assert_exact, race, truth
 
 pytestmark = [
@@ -26,7 +27,7 @@ pytestmark = [
     pytest.mark.redis,
     pytest.mark.postgres,
     pytest.mark.serial,
-    pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs PostgreSQL row locks"),
+    pytest.mark.skipif(not has_row_locks(), reason="needs row locks between connections"),
 ]
 
 THREADS = 4

@@ -17,13 +17,14 @@ from notifications.models import Notification, UnreadCounter
 from tests import helpers
 from tests.blog.models import Comment, Post
 from tests.blog.truth import assert_exact as assert_blog_exact
+from tests.conftest import has_row_locks
 from tests.helpers import assert_exact, stored, truth
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.redis,
     pytest.mark.postgres,
-    pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs PostgreSQL row locks"),
+    pytest.mark.skipif(not has_row_locks(), reason="needs row locks between connections"),
     pytest.mark.usefixtures("redis_backend"),
 ]
 

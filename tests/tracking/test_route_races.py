@@ -14,6 +14,7 @@ from django.db import connection  # noqa: F401 (read by the skipif condition)
 
 from tests.blog.models import RouteBase, RouteChild, RouteOwner
 from tests.blog.routes import assert_routes_exact, track_routes
+from tests.conftest import has_row_locks
 from tests.helpers import race
 
 pytestmark = [
@@ -21,7 +22,7 @@ pytestmark = [
     pytest.mark.redis,
     pytest.mark.postgres,
     pytest.mark.serial,
-    pytest.mark.skipif("connection.vendor != 'postgresql'", reason="needs PostgreSQL row locks"),
+    pytest.mark.skipif(not has_row_locks(), reason="needs row locks between connections"),
     pytest.mark.usefixtures("redis_backend"),
 ]
 

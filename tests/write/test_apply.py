@@ -22,12 +22,13 @@ from counters.buffer.store import Buffer
 from counters.models import FlushBatch
 from counters.write import apply
 from notifications.models import Notification, UnreadCounter
-from tests.helpers import assert_exact, stored, truth
+from tests.conftest import has_row_locks
+from tests.helpers import assert_exact, backend_pid, lock_poll, stored, truth, waits_on_lock
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
-needs_postgres = pytest.mark.skipif(
-    "connection.vendor != 'postgresql'", reason="needs row locks between connections"
+needs_row_locks = pytest.mark.skipif(
+    not has_row_locks(), reason="needs row locks between connections"
 )
 
 #: Seconds any step of a race may take before the test gives up.
@@ -85,9 +86,7 @@ class Worker(threading.Thread):
 
     def run(self) -> None:
         try:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_backend_pid()")
-                self.pid = cursor.fetchone()[0]
+            self.pid = backend_pid()
             self.started_sql.set()
             hook = connection.execute_wrapper(self._pause) if self.pause_on else None
             with hook or contextlib.nullcontext():
@@ -117,15 +116,10 @@ class Worker(threading.Thread):
         assert self.started_sql.wait(WAIT)
         deadline = time.monotonic() + WAIT
         while self.is_alive():
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [self.pid]
-                )
-                row = cursor.fetchone()
-            if row is not None and row[0] == "Lock":
+            if waits_on_lock(self.pid):
                 return
             assert time.monotonic() < deadline, "worker neither blocked nor finished"
-            time.sleep(0.01)
+            time.sleep(lock_poll())
 
 
 @contextlib.contextmanager
@@ -182,10 +176,10 @@ def test_a_direct_write_for_a_deleted_user_drops_only_that_user(applier, redis_d
     assert stored(alice) == truth(alice) == 2
 
 
-# -- races (PostgreSQL) -----------------------------------------------------------------
+# -- races (PostgreSQL, MySQL/MariaDB) ---------------------------------------------------
 
 
-@needs_postgres
+@needs_row_locks
 def test_a_row_created_between_two_statements_of_a_flush_misses_no_delta(
     applier, redis_down_in, make_user
 ):
@@ -212,7 +206,7 @@ def test_a_row_created_between_two_statements_of_a_flush_misses_no_delta(
     assert_exact(carol)
 
 
-@needs_postgres
+@needs_row_locks
 def test_a_direct_write_and_a_flush_lock_rows_in_one_order(
     applier, redis_down_in, settings, make_user
 ):
@@ -249,7 +243,7 @@ def test_a_direct_write_and_a_flush_lock_rows_in_one_order(
     assert_exact(alice, bob)
 
 
-@needs_postgres
+@needs_row_locks
 def test_a_direct_write_drops_only_the_user_deleted_while_it_runs(
     applier, redis_down_in, make_user
 ):
@@ -266,7 +260,17 @@ def test_a_direct_write_drops_only_the_user_deleted_while_it_runs(
         deleter.start()
         deleter.finish()
 
-    with after_first(f'INSERT INTO "{COUNTER_TABLE}"', delete_carol):
+    if connection.vendor == "mysql":
+        # InnoDB checks a foreign key at the INSERT, not at COMMIT: a deletion after it
+        # waits for the write (and then fails, as a Django deletion racing the creation of
+        # any child row does on MySQL). So carol goes between the UPDATE of the rows that
+        # exist and the reading of the parents of those that do not.
+        if applier == "generic":
+            pytest.skip("the generic applier's INSERT IGNORE holds carol's row: see above")
+        statement = "JSON_TABLE"
+    else:
+        statement = f'INSERT INTO "{COUNTER_TABLE}"'
+    with after_first(statement, delete_carol):
         Notification.objects.bulk_create(
             [Notification(recipient=bob, verb="v") for _ in range(5)]
             + [Notification(recipient=carol, verb="v") for _ in range(2)]

@@ -215,7 +215,7 @@ class Command(OneLineFailures):
 
     @staticmethod
     def blocked_lines(blocked: list[dict]) -> list[str]:
-        """A flush waiting on a lock, and the session that holds it (PostgreSQL)."""
+        """A flush waiting on a lock, and the session that holds it (PostgreSQL, MySQL)."""
         lines = []
         for wait in blocked:
             by = wait["blocked_by"]
@@ -229,7 +229,8 @@ class Command(OneLineFailures):
         if lines:
             lines.append(
                 "  a frozen flusher's session ends after its idle-in-transaction timeout; "
-                "or end it: SELECT pg_terminate_backend(<pid>)"
+                "or end it: SELECT pg_terminate_backend(<pid>) on PostgreSQL, KILL <pid> on "
+                "MySQL/MariaDB"
             )
         return lines
 
