@@ -201,7 +201,7 @@ def test_the_readme_is_a_pitch_a_quick_start_and_links():
     # the quick start is two commands
     assert fenced_block_after("## Quick start", README).splitlines() == [
         "make run    # .venv, install, migrate (SQLite in var/), then web + worker + beat",
-        "make test   # install, then the whole suite on SQLite and on PostgreSQL",
+        "make test   # install, then the whole suite on SQLite, PostgreSQL and MariaDB",
     ]
 
 
