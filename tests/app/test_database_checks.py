@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 from django.db.utils import ConnectionHandler
 
-from counters import checks
+from counters.checks import project as checks
 from tests.procs import ROOT, project_env
 
 SQLITE = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}

@@ -77,6 +77,7 @@ class ShopConfig(AppConfig):
 
 SETTINGS = """
 INSTALLED_APPS += ["counters", "shop"]
+MIDDLEWARE = ["counters.middleware.AcknowledgeMiddleware", *MIDDLEWARE]
 COUNTERS_REDIS_URL = {redis_url!r}
 COUNTERS_KEY_PREFIX = {prefix!r}
 DATABASES["default"]["OPTIONS"] = {{"transaction_mode": "IMMEDIATE"}}
