@@ -33,20 +33,22 @@ def _series(count: int) -> str:
     return "s(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM s WHERE i < %s)"
 
 
-def _insert_series(count: int, insert: str, select: str) -> str:
+def _insert_series(count: int, insert: str, select: str, ctes: str = "") -> str:
     """``insert`` (``INSERT INTO t (…)``) of ``select`` over the series ``s`` of :func:`_series`.
+
+    ``ctes`` (``, name AS (…)``) follow the series in the same ``WITH``.
 
     PostgreSQL and SQLite put the CTE first, MySQL after the INSERT, and cap its
     recursion (``cte_max_recursion_depth``; MariaDB's ``max_recursive_iterations``),
     which is raised for the session here.
     """
     if connection.vendor != "mysql":
-        return f"WITH RECURSIVE {_series(count)} {insert} {select}"
+        return f"WITH RECURSIVE {_series(count)}{ctes} {insert} {select}"
     mariadb = cast(Any, connection).mysql_is_mariadb
     depth = "max_recursive_iterations" if mariadb else "cte_max_recursion_depth"
     with connection.cursor() as cursor:
         cursor.execute(f"SET SESSION {depth} = {max(1000, int(count) + 1)}")
-    return f"{insert} WITH RECURSIVE {_series(count)} {select}"
+    return f"{insert} WITH RECURSIVE {_series(count)}{ctes} {select}"
 
 
 def _concat(text: str, number: str) -> str:
@@ -149,9 +151,9 @@ def insert_notifications(
             _insert_series(
                 others,
                 f"INSERT INTO {table} ({columns})",
+                "SELECT u.id, 'bench', '', %s, (s.i %% %s = 0) FROM s JOIN u ON u.rn = s.i %% %s",
                 f", u(id, rn) AS (SELECT {user_id}, ROW_NUMBER() OVER (ORDER BY {user_id}) - 1 "
-                f"FROM {user_table} WHERE {username} LIKE %s) "
-                f"SELECT u.id, 'bench', '', %s, (s.i %% %s = 0) FROM s JOIN u ON u.rn = s.i %% %s",
+                f"FROM {user_table} WHERE {username} LIKE %s)",
             ),
             [others - 1, user_pattern(prefix), now, read_every, users],
         )
