@@ -41,6 +41,37 @@ from .errors import BenchError
 MODES = ("off", "naive", "trigger", "tally", "durable", "sender")
 #: The value of COUNTERS_DURABLE each mode runs with (the others do not count through Tally).
 DURABLE = {"tally": False, "durable": True}
+#: Modes that wait for each push's reply after the COMMIT (``COUNTERS_DEFER_ACKS`` off).
+WAITED = {"waited"}
+_defer_acks: bool | None = None
+
+
+def set_mode(mode: str, send_delay_ms: float) -> None:
+    """The settings ``mode`` runs with, announced as ``override_settings`` would.
+
+    The write path reads its switches once and keeps them until ``setting_changed``,
+    so assigning to ``settings`` alone would not reach it. ``COUNTERS_DEFER_ACKS``
+    keeps the value the process started with (its setting or environment), except
+    in the modes of :data:`WAITED`.
+    """
+    from django.conf import settings
+    from django.test.signals import setting_changed
+
+    from .internals import conf
+
+    global _defer_acks
+    if _defer_acks is None:
+        _defer_acks = conf.defer_acks()
+    values = {
+        "COUNTERS_DURABLE": DURABLE.get(mode, False),
+        "COUNTERS_SEND_DELAY_MS": send_delay_ms if mode == "sender" else 0,
+        "COUNTERS_DEFER_ACKS": _defer_acks and mode not in WAITED,
+    }
+    for name, value in values.items():
+        setattr(settings, name, value)
+        setting_changed.send(sender=type(settings), setting=name, value=value, enter=True)
+
+
 WORKLOADS = ("spread", "hot")
 
 #: Seconds between sending a run to the writers and its start in all of them.
@@ -106,6 +137,7 @@ def operations() -> dict[str, Callable[[int], None]]:
         "tally": tally,
         "durable": tally,
         "sender": tally,
+        "waited": tally,
     }
 
 
@@ -147,7 +179,6 @@ def writer_main(
 ) -> None:
     """Body of one writer process: answer every :class:`Run` with a :class:`Done`."""
     context.setup()
-    from django.conf import settings
     from django.db import connection
 
     import counters
@@ -159,8 +190,7 @@ def writer_main(
     while (run := conn.recv()) is not None:
         try:
             # Set for the whole run: ``tally`` and ``durable`` share one operation.
-            settings.COUNTERS_DURABLE = DURABLE.get(run.mode, False)
-            settings.COUNTERS_SEND_DELAY_MS = send_delay_ms if run.mode == "sender" else 0
+            set_mode(run.mode, send_delay_ms)
             cpu = time.process_time()
             done = perform(run, ops[run.mode], pickers[run.workload])
             counters.push_queued()  # the queue's tail, before the next run

@@ -20,7 +20,8 @@ the three CPU columns, so ``off``'s sum over a mode's sum predicts its ratio to
 
 The modes are those of ``counters_bench``: ``off`` (no counter), ``naive`` (an
 ``F()`` update in the same transaction), ``tally`` (the defaults), ``durable``
-(``COUNTERS_DURABLE``) and ``sender`` (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5).
+(``COUNTERS_DURABLE``), ``sender`` (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5)
+and ``waited`` (``COUNTERS_DEFER_ACKS`` off: each push's reply read right after the COMMIT).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inserts", type=int, default=2000, help="inserts per mode and round")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--modes", default="off,naive,tally,durable,sender")
+    parser.add_argument("--modes", default="off,naive,tally,waited,durable,sender")
     parser.add_argument("--send-delay", type=float, default=5.0, help="ms, of the sender mode")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6393/0")
     args = parser.parse_args()
@@ -63,12 +64,11 @@ def main() -> int:
 
     django.setup()
     import redis
-    from django.conf import settings
     from django.contrib.auth import get_user_model
     from django.db import connection
 
     import counters
-    from benchmarks.writers import DURABLE, operations
+    from benchmarks.writers import operations, set_mode
     from notifications.models import Notification
 
     if connection.vendor != "postgresql":
@@ -91,8 +91,7 @@ def main() -> int:
     results: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
         for mode in modes[round_ % len(modes) :] + modes[: round_ % len(modes)]:
-            settings.COUNTERS_DURABLE = DURABLE.get(mode, False)
-            settings.COUNTERS_SEND_DELAY_MS = args.send_delay if mode == "sender" else 0
+            set_mode(mode, args.send_delay)
             op = ops[mode]
             for _ in range(50):  # warm up the mode's code paths and caches
                 op(user.pk)
@@ -105,8 +104,7 @@ def main() -> int:
             spent = (b - a for a, b in zip(before, after, strict=True))
             results[mode].append(tuple(t / args.inserts for t in spent))
         counters.flush()
-    settings.COUNTERS_SEND_DELAY_MS = 0
-    settings.COUNTERS_DURABLE = False
+    set_mode("tally", 0)
     Notification.objects.filter(recipient=user).delete()
     counters.flush()
 
