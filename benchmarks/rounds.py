@@ -22,6 +22,9 @@ RATIOS = (
     ("durable", "tally"),
     ("sender", "off"),
     ("sender", "tally"),
+    ("waited", "off"),
+    ("waited", "tally"),
+    ("tally", "waited"),
 )
 
 

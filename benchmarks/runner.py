@@ -119,17 +119,18 @@ def _checks(
     counter_trigger: trigger.CounterTrigger | None,
     skipped: str | None,
 ) -> None:
-    """Every counted insert was counted once: in Redis (tally, durable, sender), no outbox
+    """Every counted insert was counted once: in Redis (tally, durable, sender, waited), no outbox
     row left; by the trigger, each user's row grew by that user's unread inserts."""
     from counters.models import Outbox
 
     pending = pending_total(buffer)
-    result["tally_ops"] = ops["tally"]
+    result["tally_ops"] = ops["tally"] + ops["waited"]
     result["durable_ops"] = ops["durable"] + ops["sender"]
     result["tally_pending_deltas"] = pending
     result["outbox_rows_left"] = Outbox.objects.count()
     result["tally_deltas_match"] = (
-        pending == ops["tally"] + ops["durable"] + ops["sender"] and result["outbox_rows_left"] == 0
+        pending == sum(ops[m] for m in ("tally", "durable", "sender", "waited"))
+        and result["outbox_rows_left"] == 0
     )
     if counter_trigger is None:
         result["trigger_skipped"] = skipped

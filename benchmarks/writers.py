@@ -1,4 +1,4 @@
-"""Writer processes: notification inserts under six counter strategies, timed in parallel.
+"""Writer processes: notification inserts under seven counter strategies, timed in parallel.
 
 Modes:
 
@@ -13,7 +13,9 @@ Modes:
   before the COMMIT, DELETEd after the push;
 - ``sender``: ``tally`` with the per-process sender on
   (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5 ms by default): a COMMIT queues its
-  delta, a thread pushes the queue in one round trip.
+  delta, a thread pushes the queue in one round trip;
+- ``waited``: ``tally`` with ``COUNTERS_DEFER_ACKS`` off, the write path before
+  deferred acknowledgements: the committing thread reads each push's reply.
 
 Each writer is a spawned process with its own database connection and Redis
 client, set up once and then driven over a pipe: every run starts at the same
@@ -38,7 +40,7 @@ from .child import ChildContext
 from .config import SENDER_DELAY_MS
 from .errors import BenchError
 
-MODES = ("off", "naive", "trigger", "tally", "durable", "sender")
+MODES = ("off", "naive", "trigger", "tally", "durable", "sender", "waited")
 #: The value of COUNTERS_DURABLE each mode runs with (the others do not count through Tally).
 DURABLE = {"tally": False, "durable": True}
 #: Modes that wait for each push's reply after the COMMIT (``COUNTERS_DEFER_ACKS`` off).

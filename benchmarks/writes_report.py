@@ -4,9 +4,9 @@ from __future__ import annotations
 
 WORKLOADS = ("spread", "hot")
 #: Write modes beside off / naive / trigger / tally, each shown as its ratio to off and to tally.
-EXTRA_MODES = ("durable", "sender")
+EXTRA_MODES = ("durable", "sender", "waited")
 #: Columns of the cost table, in the order of ``benchmarks.writers.MODES``.
-COST_MODES = ("off", "naive", "trigger", "tally", "durable", "sender")
+COST_MODES = ("off", "naive", "trigger", "tally", "durable", "sender", "waited")
 COSTS = (
     ("writer CPU µs", "writer_cpu_us"),
     ("backend CPU µs", "backend_cpu_us"),

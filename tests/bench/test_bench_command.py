@@ -26,10 +26,14 @@ pytestmark = pytest.mark.django_db
 WORKLOADS = ("spread", "hot")
 POSTGRES = connection.vendor == "postgresql"
 #: The write modes of a run on this database (the trigger needs PostgreSQL).
-MODES = ("off", "naive", *(("trigger",) if POSTGRES else ()), "tally", "durable", "sender")
+MODES = (
+    *("off", "naive", *(("trigger",) if POSTGRES else ())),
+    *("tally", "durable", "sender", "waited"),
+)
 #: Ratios of a run: those of the trigger on PostgreSQL only.
 RATIOS = (
     *("tally_off", "tally_naive", "durable_off", "durable_tally", "sender_off", "sender_tally"),
+    *("waited_off", "waited_tally", "tally_waited"),
     *(("trigger_off", "tally_trigger") if POSTGRES else ()),
 )
 #: Per-insert costs measured only on PostgreSQL (backend CPU: when the server is local).
