@@ -48,6 +48,29 @@ def redis_cpu(client) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+def profile(mode: str, ops: dict, uid: int, inserts: int, send_delay: float) -> int:
+    """``inserts`` inserts of ``mode`` under ``cProfile``, by own time (wall, not CPU)."""
+    import cProfile
+    import pstats
+
+    import counters
+    from benchmarks.writers import set_mode
+
+    set_mode(mode, send_delay)
+    for _ in range(50):
+        ops[mode](uid)
+    counters.push_queued()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(inserts):
+        ops[mode](uid)
+    counters.push_queued()
+    profiler.disable()
+    set_mode("tally", 0)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inserts", type=int, default=2000, help="inserts per mode and round")
@@ -55,6 +78,11 @@ def main() -> int:
     parser.add_argument("--modes", default="off,naive,tally,waited,durable,sender")
     parser.add_argument("--send-delay", type=float, default=5.0, help="ms, of the sender mode")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6393/0")
+    parser.add_argument(
+        "--profile",
+        metavar="MODE",
+        help="instead: cProfile one round of MODE and print its 25 costliest functions",
+    )
     args = parser.parse_args()
 
     os.environ["COUNTERS_REDIS_URL"] = args.redis_url
@@ -88,6 +116,8 @@ def main() -> int:
         """Writer CPU, backend CPU, Redis CPU, wall clock (seconds)."""
         return time.process_time(), backend_cpu(backend), redis_cpu(server), time.perf_counter()
 
+    if args.profile:
+        return profile(args.profile, ops, user.pk, args.inserts, args.send_delay)
     results: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
         for mode in modes[round_ % len(modes) :] + modes[: round_ % len(modes)]:
