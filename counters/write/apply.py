@@ -37,6 +37,7 @@ from counters.base.utils import LOG_DELTAS, batched, first_line
 from counters.write import natural_keys
 from counters.write.changes import Changes, merge
 from counters.write.upsert import CHUNK, apply_postgresql, apply_sqlite, new_value
+from counters.write.upsert_composite import apply_composite
 from counters.write.upsert_mysql import apply_mysql
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,8 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
     if not keyed:
         return Applied(keys=0, deltas=0, dropped=0, statements=0)
     applier = APPLIERS.get(connections[using].vendor, _apply_generic)
+    if spec.codec is not None:  # a composite key: its own upsert over its columns
+        applier = apply_composite
     applied, statements = applier(spec, keyed, using)
     dropped = [k for k in keyed if k not in applied]
     if natural_keys.reusable(spec):
