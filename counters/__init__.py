@@ -30,6 +30,9 @@ Operate
     ``push_queued`` and ``drain_queues`` (this process's sender queue: push it now; push
     it and stop, from a server's worker-exit hook), ``get_buffer`` and
     ``get_client`` (the Redis buffer and client the settings give).
+Signals
+    ``counters.signals.applied``: sent after a transaction that changed counter rows
+    commits (:mod:`counters.write.changes`).
 Exceptions
     ``CountersError`` and its subclasses; ``NotConnected`` (Redis could not be
     reached, nothing was sent).
@@ -167,6 +170,10 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """Import public ``name`` from its module on first use and keep it here."""
+    if name == "signals":  # the submodule of ``counters.signals.applied``, from any ready()
+        value: Any = import_module("counters.signals")
+        globals()[name] = value
+        return value
     try:
         module = _EXPORTS[name]
     except KeyError:

@@ -1,4 +1,6 @@
-"""Every receiver of the counters app, connected in one place: :func:`connect_signals`.
+"""Every receiver of the counters app, connected in one place: :func:`connect_signals`;
+and the app's own signal for projects, :data:`applied` (sent after a transaction that
+changed counter rows commits: :mod:`counters.write.changes`).
 
 Called once from ``CountersConfig.ready()``, so this module is imported only
 once the app registry is ready. The receivers of each tracked model are
@@ -18,6 +20,9 @@ from counters.base import metrics
 from counters.ops import schedule
 from counters.tracking import counting
 from counters.write import acks, sender, transactions
+from counters.write.changes import applied
+
+__all__ = ["applied", "connect_signals"]
 
 celery_signals: ModuleType | None
 try:

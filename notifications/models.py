@@ -166,3 +166,30 @@ class UnreadCounter(models.Model):
 
     def exact(self) -> int:
         return type(self).objects.get_count(self.user_id)
+
+
+class DailyCount(models.Model):
+    """Notifications a user received per day (in the current time zone).
+
+    The rows of the counter ``daily_notifications``, keyed by ``(recipient,
+    created_at__date)``: ``counters.track("daily_notifications", Notification,
+    key=("recipient", "created_at__date"), into="notifications.DailyCount.count")``.
+    The flush creates them. This example declares no such counter itself (every
+    notification written would pay for it); the tests declare it.
+    """
+
+    recipient = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+"
+    )
+    created_at_date = models.DateField()
+    count = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["recipient", "created_at_date"], name="daily_count_recipient_day"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.recipient_id} on {self.created_at_date}: {self.count}"

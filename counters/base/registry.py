@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from numbers import Number
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from django.apps import apps
 from django.core import validators
@@ -14,6 +14,7 @@ from django.core.exceptions import ValidationError
 from django.db import DEFAULT_DB_ALIAS, models
 
 from counters.base.exceptions import InvalidKey, UnknownCounter
+from counters.base.keys import KeyCodec
 from counters.base.utils import model_field, target_field, to_str
 
 
@@ -54,7 +55,8 @@ class CounterSpec:
 
     name: str
     model_label: str
-    key_field: str = "pk"
+    #: A field name; a tuple of them for a composite key (:mod:`counters.base.keys`).
+    key_field: str | tuple[str, ...] = "pk"
     value_field: str = "count"
     source: TruthSource | None = field(default=None, compare=False)
     non_negative: bool = False
@@ -64,8 +66,18 @@ class CounterSpec:
         return apps.get_model(self.model_label)
 
     @cached_property
+    def codec(self) -> KeyCodec | None:
+        """The parts of a composite key; None for a key of one field."""
+        if isinstance(self.key_field, str):
+            return None
+        return KeyCodec([model_field(self.model, name) for name in self.key_field])
+
+    @cached_property
     def key_model_field(self) -> models.Field[Any, Any]:
-        return model_field(self.model, self.key_field)
+        """The key field (a composite key's first part)."""
+        if self.codec is not None:
+            return self.codec.fields[0]
+        return model_field(self.model, cast(str, self.key_field))
 
     @cached_property
     def key_attname(self) -> str:
@@ -73,7 +85,9 @@ class CounterSpec:
 
     @cached_property
     def target_model(self) -> type[models.Model] | None:
-        """The model a foreign-key key field points to, else None."""
+        """The model a foreign-key key field points to, else None (and for a composite key)."""
+        if self.codec is not None:
+            return None
         remote = self.key_model_field.remote_field
         return remote.model if remote is not None else None
 
@@ -84,6 +98,8 @@ class CounterSpec:
         Plain ``int`` for integer keys (the common case, and the flush's hot loop),
         else the field's ``to_python``.
         """
+        if self.codec is not None:
+            return self.codec.normalize
         field = self.key_model_field
         target = target_field(field) if field.is_relation else field
         if not isinstance(target, models.IntegerField):  # Auto and BigAuto fields are
@@ -122,6 +138,8 @@ class CounterSpec:
             raise InvalidKey(self.name, key, "a model instance is not a key; pass obj.pk")
         if key is None:
             raise InvalidKey(self.name, key, "None is not a key")
+        if self.codec is not None:
+            return self._composite(key)
         try:
             value = self.to_key(key)
             for check in self._bounds:
@@ -137,6 +155,14 @@ class CounterSpec:
                 self.name, key, f"not exactly a value of the key field (it would be {value!r})"
             )
         return value
+
+    def _composite(self, key: Any) -> Any:
+        """``key`` as a :class:`~counters.base.keys.CompositeKey`; else raises InvalidKey."""
+        try:
+            return cast(KeyCodec, self.codec).normalize(key)
+        except (ValidationError, TypeError, ValueError, OverflowError) as exc:
+            reason = "; ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)
+            raise InvalidKey(self.name, key, reason) from None
 
     @cached_property
     def _int_range(self) -> tuple[int, int] | None:
@@ -165,7 +191,7 @@ class CounterSpec:
         An ``int`` within the bounds of an integer key field is its own
         normal form: it is used as is, without the validators' calls.
         """
-        if type(key) is int:
+        if type(key) is int and self.codec is None:
             bounds = self._int_range
             if bounds is not None and bounds[0] <= key <= bounds[1]:
                 return f"{self.name}:{key}"
@@ -179,7 +205,7 @@ def register(
     name: str,
     model: str | type[models.Model],
     *,
-    key_field: str = "pk",
+    key_field: str | tuple[str, ...] = "pk",
     value_field: str = "count",
     source: TruthSource | None = None,
     non_negative: bool = False,

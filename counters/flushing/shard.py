@@ -46,6 +46,7 @@ from counters.flushing.epoch import check_epoch, record_loss
 from counters.flushing.quarantine import ERROR_LIMIT, BatchLost, error_line, narrow_or_quarantine
 from counters.flushing.result import FlushResult
 from counters.models import FlushBatch
+from counters.write import changes
 from counters.write.apply import DATABASE_ERRORS, apply_deltas
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
             result.already_applied += 1
             return
         raise
+    changes.announce(applied.changes, using)  # committed: counters.signals.applied
     result.batches += 1
     result.keys += applied.keys
     result.deltas += applied.deltas

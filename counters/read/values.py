@@ -259,21 +259,27 @@ def _read_rows(spec: CounterSpec, keys: list, batch_ids: set[str], using: str) -
     conn = connections[using]
     qn = conn.ops.quote_name
     table = qn(model._meta.db_table)
-    key_col = qn(column(spec.key_model_field))
+    key_fields = spec.codec.fields if spec.codec is not None else (spec.key_model_field,)
+    key_cols = [qn(column(f)) for f in key_fields]
+    nulls = "NULL, " * len(key_cols)
     value_col = qn(column(model_field(model, spec.value_field)))
     ledger = qn(FlushBatch._meta.db_table)
     ledger_pk = qn(column(model_field(FlushBatch, "pk")))
     unsettled_col = qn(column(model_field(FlushBatch, "unsettled")))
     kind_col = qn(column(model_field(FlushBatch, "kind")))
     ids = sorted(batch_ids)
-    sql = (
-        f"SELECT {key_col}, {value_col}, NULL, NULL FROM {table} "
-        f"WHERE {key_col} IN ({', '.join(['%s'] * len(keys))})"
-    )
-    params: list = [spec.key_model_field.get_db_prep_value(k, conn) for k in keys]
+    sql = f"SELECT {', '.join(key_cols)}, {value_col}, NULL, NULL FROM {table} WHERE "
+    params: list = []
+    if spec.codec is None:
+        sql += f"{key_cols[0]} IN ({', '.join(['%s'] * len(keys))})"
+        params += [spec.key_model_field.get_db_prep_value(k, conn) for k in keys]
+    else:  # a composite key: one (a = %s AND b = %s) per key
+        one = "(" + " AND ".join(f"{c} = %s" for c in key_cols) + ")"
+        sql += " OR ".join([one] * len(keys))
+        params += [p for k in keys for p in spec.codec.db_values(k, conn)]
     if ids:
         sql += (
-            f" UNION ALL SELECT NULL, NULL, {ledger_pk}, NULL FROM {ledger} "
+            f" UNION ALL SELECT {nulls}NULL, {ledger_pk}, NULL FROM {ledger} "
             f"WHERE {ledger_pk} IN ({', '.join(['%s'] * len(ids))})"
         )
         params += ids
@@ -281,15 +287,18 @@ def _read_rows(spec: CounterSpec, keys: list, batch_ids: set[str], using: str) -
     # are unsettled: the kind lets MySQL, which has no partial index, use counters_fallback.
     text = "CHAR" if conn.vendor == "mysql" else "TEXT"
     sql += (
-        f" UNION ALL SELECT NULL, NULL, {ledger_pk}, CAST({unsettled_col} AS {text}) FROM {ledger} "
-        f"WHERE {kind_col} = %s AND {unsettled_col} IS NOT NULL"
+        f" UNION ALL SELECT {nulls}NULL, {ledger_pk}, CAST({unsettled_col} AS {text}) "
+        f"FROM {ledger} WHERE {kind_col} = %s AND {unsettled_col} IS NOT NULL"
     )
     params.append(FlushBatch.Kind.FALLBACK.value)
     rows = _Rows({}, set(), {})
+    width = len(key_cols)
     with conn.cursor() as cursor:
         cursor.execute(sql, params)
-        for key, value, batch_id, unsettled in cursor.fetchall():
+        for row in cursor.fetchall():
+            value, batch_id, unsettled = row[width:]
             if batch_id is None:
+                key = row[0] if width == 1 else tuple(row[:width])
                 rows.stored[spec.to_key(key)] = int(value)
             elif unsettled is None:
                 rows.applied.add(batch_id)

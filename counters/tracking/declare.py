@@ -30,7 +30,7 @@ from django.db.models import Q
 from counters.base import backends, registry
 from counters.base.exceptions import TrackedTooEarly, TrackingError, UnknownCounter
 from counters.base.utils import concrete_model, related_model, target_field
-from counters.tracking import refusals
+from counters.tracking import keys, refusals
 from counters.tracking.routes import install_tracked
 from counters.tracking.trackers import Tracker, add_tracker, find_tracker
 from counters.tracking.truth import QueryTruth
@@ -54,6 +54,7 @@ CHECK_IDS = {
     "counters.E052": "a source or into model with a composite primary key",
     "counters.E053": "a counter column that already holds another counter",
     "counters.E054": "a key whose values are not values of the into model's key field",
+    "counters.E055": "a composite key whose parts cannot be read or stored",
 }
 
 
@@ -61,14 +62,16 @@ def track(
     name: str,
     model: type[models.Model] | str,
     *,
-    key: str,
+    key: str | tuple[str, ...],
     into: str,
     where: Q | None = None,
     amount: str | None = None,
 ) -> Tracker:
     """Count the rows of ``model`` per ``key`` into ``into`` (``"app_label.Model.field"``).
 
-    ``where`` (a ``Q`` on the model's own fields) picks the rows that count;
+    ``key`` is a field, or a tuple of field paths (a composite key, see
+    :mod:`counters.tracking.keys`). ``where`` (a ``Q`` on the model's own
+    fields) picks the rows that count;
     ``amount`` (an integer field) is added instead of 1. A counter without
     ``amount`` is a count of rows and never reads below zero. Call it from
     an ``AppConfig.ready()`` (earlier, :class:`TrackedTooEarly` is raised);
@@ -79,9 +82,14 @@ def track(
     if not isinstance(name, str) or not name or ":" in name:
         raise TrackingError("counters.E016", str(name), "a name is a non-empty string without ':'")
     source = _source_model(name, model)
-    key_field = _column(name, source, key, "key")
-    into_model, value_field, into_key = _resolve_into(name, into, key_field)
-    tracker = _validate(name, source, key, key_field, into, where, amount)
+    tracker: Tracker
+    if isinstance(key, tuple):
+        tracker, into_model, value_field = _composite(name, source, key, into, where, amount)
+        into_key = tracker.into_keys[0]
+    else:
+        key_field = _column(name, source, key, "key")
+        into_model, value_field, into_key = _resolve_into(name, into, key_field)
+        tracker = _validate(name, source, key, key_field, into, where, amount)
     for check_id, problem in refusals.refusals(tracker, into_model, into_key, value_field):
         raise TrackingError(check_id, name, problem)
     existing = find_tracker(name)
@@ -96,6 +104,32 @@ def track(
     install_tracked(tracker)
     logger.debug("tracking %s: %s", tracker.name, tracker.signature)
     return tracker
+
+
+def _composite(
+    name: str,
+    source: type[models.Model],
+    key: tuple,
+    into: str,
+    where: Q | None,
+    amount: str | None,
+) -> tuple[keys.CompositeTracker, type[models.Model], models.Field]:
+    """The tracker of a composite ``key``, its into model and value field; else raises."""
+    into_model, value_field = _into(name, into)
+    try:
+        parts = keys.parse_parts(source, key)
+        stored = keys.into_fields(into_model, parts)
+    except keys.KeyProblem as exc:
+        raise TrackingError(keys.CHECK_ID, name, str(exc)) from None
+    plain = _validate(name, source, str(key), parts[0].field, into, where, amount)
+    attnames = [p.attname for p in parts]
+    attnames += [a for a in plain.attnames if a not in attnames]
+    tracker = keys.CompositeTracker(
+        **{**plain.__dict__, "key": key, "attnames": tuple(attnames)},
+        parts=tuple(parts),
+        into_keys=tuple(stored),
+    )
+    return tracker, into_model, value_field
 
 
 def _resolve_into(
@@ -168,12 +202,17 @@ def _register(
     if shared:
         raise TrackingError("counters.E053", name, shared)
     try:
+        key_field: str | tuple[str, ...] = into_key.name
+        source: registry.TruthSource = QueryTruth(tracker)
+        if isinstance(tracker, keys.CompositeTracker):
+            key_field = tuple(f.name for f in tracker.into_keys)
+            source = keys.CompositeTruth(tracker)
         registry.register(
             name,
             into_model,
-            key_field=into_key.name,
+            key_field=key_field,
             value_field=value_field.name,
-            source=QueryTruth(tracker),
+            source=source,
             non_negative=tracker.amount is None,
         )
     except ValueError as exc:

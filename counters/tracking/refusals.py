@@ -39,6 +39,7 @@ from django.db.models.fields import AutoFieldMixin
 
 from counters.base import registry
 from counters.base.utils import model_field, stamped, target_field
+from counters.tracking.keys import CompositeTracker
 from counters.tracking.queryset import CountedQuerySet
 from counters.tracking.relatives import sharers
 from counters.tracking.trackers import tracked_models
@@ -83,13 +84,14 @@ def fillable(field: models.Field) -> bool:
 
 
 def unfillable(
-    into_model: type[models.Model], key_field: models.Field, value_field: models.Field
+    into_model: type[models.Model],
+    key_field: models.Field | tuple[models.Field, ...],
+    value_field: models.Field,
 ) -> str | None:
     """E050: a column of ``into_model`` that a new counter row cannot be given."""
+    given = (*(key_field if isinstance(key_field, tuple) else (key_field,)), value_field)
     missing = [
-        f.name
-        for f in into_model._meta.concrete_fields
-        if f not in (key_field, value_field) and not fillable(f)
+        f.name for f in into_model._meta.concrete_fields if f not in given and not fillable(f)
     ]
     if not missing:
         return None
@@ -154,13 +156,19 @@ def refusals(
     value_field: models.Field,
 ) -> list[tuple[str, str]]:
     """``(check id, problem)`` of each refusal but E053 that ``tracker`` meets."""
+    # A composite key's parts were checked by track(): its rows are given all of them.
+    composite = isinstance(tracker, CompositeTracker)
+    given = tracker.into_keys if isinstance(tracker, CompositeTracker) else into_key
     found = [
         ("counters.E052", composite_key(tracker.model, "source")),
         ("counters.E052", composite_key(into_model, "into")),
         ("counters.E051", generated(source_fields(tracker))),
-        ("counters.E050", unfillable(into_model, into_key, value_field)),
+        (
+            "counters.E050",
+            unfillable(into_model, given, value_field),
+        ),
     ]
-    if not tracker.key_field.is_relation:
+    if not composite and not tracker.key_field.is_relation:
         found.append(("counters.E054", key_mismatch(tracker.key_field, into_key)))
     return [(check_id, problem) for check_id, problem in found if problem]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from django.db import (
@@ -35,7 +35,9 @@ from django.db.transaction import TransactionManagementError
 from counters.base.registry import CounterSpec, get_spec
 from counters.base.utils import LOG_DELTAS, batched, first_line
 from counters.write import natural_keys
+from counters.write.changes import Changes, merge
 from counters.write.upsert import CHUNK, apply_postgresql, apply_sqlite, new_value
+from counters.write.upsert_composite import apply_composite
 from counters.write.upsert_mysql import apply_mysql
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ class Applied:
     deltas: int
     dropped: int
     statements: int
+    #: What changed in counter rows, {counter name: {key: delta}} (``counters.signals.applied``).
+    changes: Changes = field(default_factory=dict)
 
 
 def group_by_spec(deltas: Mapping[str, int]) -> dict[CounterSpec, dict[Any, int]]:
@@ -162,6 +166,8 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
     if not keyed:
         return Applied(keys=0, deltas=0, dropped=0, statements=0)
     applier = APPLIERS.get(connections[using].vendor, _apply_generic)
+    if spec.codec is not None:  # a composite key: its own upsert over its columns
+        applier = apply_composite
     applied, statements = applier(spec, keyed, using)
     dropped = [k for k in keyed if k not in applied]
     if natural_keys.reusable(spec):
@@ -178,11 +184,13 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
             spec.name,
             sorted(dropped)[:LOG_DELTAS],
         )
+    changed = {k: d for k, d in keyed.items() if k in applied}
     return Applied(
         keys=len(keyed) - len(dropped),
-        deltas=sum(abs(d) for k, d in keyed.items() if k in applied),
+        deltas=sum(abs(d) for d in changed.values()),
         dropped=len(dropped),
         statements=statements,
+        changes={spec.name: changed} if changed else {},
     )
 
 
@@ -203,6 +211,7 @@ def apply_isolating(
     if len(deltas) == 1:
         return Applied(0, 0, 0, 0), {member: (d, whole) for member, d in deltas.items()}
     keys = total = dropped = statements = 0
+    changes: Changes = {}
     refused: dict[str, tuple[int, str]] = {}
     for member, delta in sorted(deltas.items()):
         part = _attempt({member: delta}, using)
@@ -213,7 +222,8 @@ def apply_isolating(
         total += part.deltas
         dropped += part.dropped
         statements += part.statements
-    return Applied(keys, total, dropped, statements), refused
+        merge(changes, part.changes)
+    return Applied(keys, total, dropped, statements, changes), refused
 
 
 def _attempt(deltas: Mapping[str, int], using: str) -> Applied | str:
@@ -230,10 +240,12 @@ def _attempt(deltas: Mapping[str, int], using: str) -> Applied | str:
 def apply_deltas(deltas: Mapping[str, int], using: str) -> Applied:
     """Apply {member: delta} across every counter named in the members."""
     keys = total = dropped = statements = 0
+    changes: Changes = {}
     for spec, keyed in group_by_spec(deltas).items():
         applied = apply_spec(spec, keyed, using)
         keys += applied.keys
         total += applied.deltas
         dropped += applied.dropped
         statements += applied.statements
-    return Applied(keys, total, dropped, statements)
+        changes.update(applied.changes)  # one entry per counter
+    return Applied(keys, total, dropped, statements, changes)

@@ -23,7 +23,7 @@ from counters.base.utils import capped
 from counters.buffer.pushids import PushId
 from counters.client import get_buffer
 from counters.models import FALLBACK_PREFIX, FlushBatch
-from counters.write import outbox
+from counters.write import changes, outbox
 from counters.write.apply import Applied, apply_isolating
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,10 @@ def _write_once(
 def _written(
     applied: Applied, refused: dict[str, tuple[int, str]], using: str, batch_id: str
 ) -> None:
-    """A direct write committed: quarantine what the database refused, and count it."""
+    """A direct write committed: quarantine what the database refused, count it, and
+    announce what it changed (``counters.signals.applied``)."""
     global fallback_count
+    changes.announce(applied.changes, using)
     if refused:
         set_aside(refused, using, batch_id)
     fallback_count += 1

@@ -9,6 +9,7 @@ scripts, the project config and the README's code import nothing else of
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import os
 import re
@@ -176,3 +177,9 @@ def test_the_check_finds_a_submodule_import():
     source = "from counters.base.utils import batched\nfrom counters import client, add\n"
     assert imported_modules(source) == [(1, "counters.base.utils"), (2, "counters.client")]
     assert imported_modules('path("", include("counters.urls"))') == [(1, "counters.urls")]
+
+
+def test_the_signals_module_is_reachable_from_the_front():
+    signals = importlib.import_module("counters.signals")
+    assert counters.__getattr__("signals") is signals
+    assert counters.signals.applied is signals.applied
