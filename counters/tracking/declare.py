@@ -31,6 +31,7 @@ from counters.base import backends, registry
 from counters.base.exceptions import TrackedTooEarly, TrackingError, UnknownCounter
 from counters.base.utils import concrete_model, related_model, target_field
 from counters.tracking import refusals
+from counters.tracking.paths import Hop, PathError, resolve
 from counters.tracking.routes import install_tracked
 from counters.tracking.trackers import Tracker, add_tracker, find_tracker
 from counters.tracking.truth import QueryTruth
@@ -54,6 +55,7 @@ CHECK_IDS = {
     "counters.E052": "a source or into model with a composite primary key",
     "counters.E053": "a counter column that already holds another counter",
     "counters.E054": "a key whose values are not values of the into model's key field",
+    "counters.E055": "a related key or where through a model whose default manager is not counted",
 }
 
 
@@ -68,7 +70,10 @@ def track(
 ) -> Tracker:
     """Count the rows of ``model`` per ``key`` into ``into`` (``"app_label.Model.field"``).
 
-    ``where`` (a ``Q`` on the model's own fields) picks the rows that count;
+    ``key`` is a field, or a related path (``"post__author"``: one forward
+    foreign key or one-to-one, then a column of its model, whose default manager
+    must be counted). ``where`` (a ``Q`` on the model's own fields, or on
+    related paths like ``post__published``) picks the rows that count;
     ``amount`` (an integer field) is added instead of 1. A counter without
     ``amount`` is a count of rows and never reads below zero. Call it from
     an ``AppConfig.ready()`` (earlier, :class:`TrackedTooEarly` is raised);
@@ -79,9 +84,9 @@ def track(
     if not isinstance(name, str) or not name or ":" in name:
         raise TrackingError("counters.E016", str(name), "a name is a non-empty string without ':'")
     source = _source_model(name, model)
-    key_field = _column(name, source, key, "key")
+    key, key_field, hops = _key(name, source, key)
     into_model, value_field, into_key = _resolve_into(name, into, key_field)
-    tracker = _validate(name, source, key, key_field, into, where, amount)
+    tracker = _validate(name, source, key, key_field, into, where, amount, hops)
     for check_id, problem in refusals.refusals(tracker, into_model, into_key, value_field):
         raise TrackingError(check_id, name, problem)
     existing = find_tracker(name)
@@ -114,6 +119,7 @@ def _validate(
     into: str,
     where: Q | None,
     amount: str | None,
+    hops: dict[str, Hop],
 ) -> Tracker:
     """The tracker of a declaration whose amount, where and routes can be counted; else raises."""
     amount_field = None
@@ -126,7 +132,9 @@ def _validate(
                 f"amount {amount!r} is a {amount_field.get_internal_type()}, not an integer field",
             )
     try:
-        condition, where_attnames = compile_where(source, where, mysql=backends.any_mysql())
+        condition, where_attnames = compile_where(
+            source, where, mysql=backends.any_mysql(), hops=hops
+        )
     except WhereError as exc:
         check_id = "counters.E010" if exc.unknown_field else "counters.E011"
         raise TrackingError(check_id, name, str(exc)) from None
@@ -136,10 +144,11 @@ def _validate(
     route_problem = refusals.route_refusal(source)
     if route_problem:
         raise TrackingError(route_problem[0], name, route_problem[1])
-    attnames = [key_field.attname]
+    links = [hop.link.attname for hop in hops.values()]
+    attnames = [key_field.attname] if key not in hops else []
     if amount_field is not None:
         attnames.append(amount_field.attname)
-    attnames += sorted(where_attnames - set(attnames))
+    attnames += sorted((where_attnames | set(links)) - set(attnames))
     return Tracker(
         name=name,
         model=source,
@@ -151,6 +160,7 @@ def _validate(
         amount_field=amount_field,
         condition=condition,
         attnames=tuple(attnames),
+        related=tuple(hops.values()),
     )
 
 
@@ -186,6 +196,19 @@ def _registered(name: str) -> bool:
     except UnknownCounter:
         return False
     return True
+
+
+def _key(
+    name: str, source: type[models.Model], key: str
+) -> tuple[str, models.Field, dict[str, Hop]]:
+    """``(key, the field its values are of, related paths)``: a column, or a related path."""
+    if not isinstance(key, str) or "__" not in key:
+        return key, _column(name, source, key, "key"), {}
+    try:
+        hop = resolve(source, key)
+    except PathError as exc:
+        raise TrackingError("counters.E010", name, f"key {exc}") from None
+    return hop.path, hop.field, {hop.path: hop}
 
 
 def _source_model(name: str, model: type[models.Model] | str) -> type[models.Model]:
