@@ -55,7 +55,7 @@ CHECK_IDS = {
     "counters.E052": "a source or into model with a composite primary key",
     "counters.E053": "a counter column that already holds another counter",
     "counters.E054": "a key whose values are not values of the into model's key field",
-    "counters.E055": "a related key or where through a model whose default manager is not counted",
+    "counters.E055": "a related key or where through an uncounted model, or two relations",
 }
 
 

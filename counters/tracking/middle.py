@@ -103,40 +103,34 @@ def counted_save(
 
 
 def move(pairs: Pairs, old: dict[Any, Row], new: dict[Any, Row], using: str) -> None:
-    """Add what the rows below the middle rows lost with ``old`` and gained with ``new``."""
+    """Add what the rows below the middle rows lost with ``old`` and gained with ``new``.
+
+    A tracker's related paths all go through one relation (``track()``
+    refuses two, ``counters.E055``): its middle rows are the only ones its
+    rows read.
+    """
     members: dict[str, int] = {}
     for tracker in dict.fromkeys(t for t, _ in pairs):
-        middle = next(hop.middle for t, hop in pairs if t is tracker)
-        for link in dict.fromkeys(h.link for h in tracker.related if h.middle is middle):
-            via = [h for h in tracker.related if h.link is link]
-            _move_link(tracker, link, via, old, new, members, using)
+        _move_rows(tracker, old, new, members, using)
     add_members({m: d for m, d in members.items() if d}, using=using)
 
 
-def _move_link(
-    tracker: Tracker,
-    link: models.Field,
-    via: list[Hop],
-    old: dict[Any, Row],
-    new: dict[Any, Row],
-    members: dict[str, int],
-    using: str,
+def _move_rows(
+    tracker: Tracker, old: dict[Any, Row], new: dict[Any, Row], members: dict[str, int], using: str
 ) -> None:
-    """The moves of ``tracker``'s rows below the middle rows that ``link`` points to."""
+    """The moves of ``tracker``'s rows below the changed middle rows, into ``members``."""
+    link = tracker.related[0].link
     target = target_field(link).attname
     states: dict[Any, tuple[Row, Row]] = {}
     for pk, before in old.items():
         after = new.get(pk)
-        if after is None or after[target] != before[target]:
+        if after is None or after[target] != before[target] or before[target] is None:
             continue  # gone or re-keyed: its rows below follow their own paths
-        paths_before = {h.path: before[h.field.attname] for h in via}
-        paths_after = {h.path: after[h.field.attname] for h in via}
-        if paths_before != paths_after and before[target] is not None:
+        paths_before = {h.path: before[h.field.attname] for h in tracker.related}
+        paths_after = {h.path: after[h.field.attname] for h in tracker.related}
+        if paths_before != paths_after:
             states[before[target]] = (paths_before, paths_after)
-    if not states:
-        return
-    others = [h.path for h in tracker.related if h.link is not link]
-    group = [a for a in tracker.attnames if a != link.attname] + others
+    group = [a for a in tracker.attnames if a != link.attname]
     member = tracker.spec.member
     for chunk in batched(sorted(states), CHUNK):
         rows = (

@@ -16,7 +16,8 @@ before anything is registered, and the ``counters`` system check
 - ``counters.E055``: a related key or where (``"post__author"``) through a
   model whose default or base manager is not counted (a change of its rows
   moves the counts of the rows below them), with multi-table relatives, or
-  leading back to the source model (:func:`uncounted_middle`).
+  leading back to the source model; or paths through two relations of the
+  source (:func:`uncounted_middle`).
 
 - ``counters.E050``: the flush creates missing counter rows with the key, the
   value and the other columns' defaults; a NOT NULL column with no default
@@ -201,7 +202,20 @@ def uncounted_manager(model: type[models.Model]) -> str | None:
 
 
 def uncounted_middle(source: type[models.Model], hops: Iterable[Hop]) -> str | None:
-    """E055: a related path through a model whose changes are not all counted."""
+    """E055: a related path through a model whose changes are not all counted.
+
+    Paths through two relations of the source (``post__author`` and
+    ``category__visible``) are refused too: two transactions changing a post
+    and a category of the same row would each move it with the other's old
+    value.
+    """
+    hops = list(hops)
+    links = sorted({hop.link.name for hop in hops})
+    if len(links) > 1:
+        return (
+            f"related paths through {' and '.join(links)}: paths through two relations "
+            "of the counted model are not counted; use paths through one of them"
+        )
     for hop in hops:
         middle = hop.middle
         label = middle._meta.label

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 from django.db import transaction
-from django.db.models import Case, F, Value, When
+from django.db.models import Case, F, Q, Value, When
 
 import counters
 from counters.base.exceptions import TrackingError
+from counters.verify.audit import audit
 from counters.verify.rebuild import rebuild_all
-from tests.blog.models import RelAuthor, RelComment, RelLooseComment, RelPost
+from tests.blog.models import RelAuthor, RelComment, RelLooseComment, RelPost, RouteEntry
 from tests.blog.related import assert_related_exact, stored, truths
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
@@ -125,6 +126,22 @@ def test_rebuild_and_audit_truth(world):
     assert stored("author_comments") == truths("author_comments")
 
 
+def test_durable_mode_and_the_audit(world, settings):
+    a, _b, c, posts = world
+    settings.COUNTERS_DURABLE = True
+    posts[0].author = c
+    posts[0].save()
+    RelPost.objects.filter(pk=posts[2].pk).update(editor=c, published=False)
+    RelComment.objects.create(post=posts[1], approved=True, points=7)
+    assert_related_exact()
+    with counters.paused():  # drift the audit must find and repair
+        RelComment.objects.filter(post=posts[1]).update(approved=False)
+    result = audit(names=["author_comments"], confirm_delay=0.05)
+    repaired = {(r.counter, d.key): d.error for r in result.counters for d in r.repaired}
+    assert repaired == {("author_comments", a.pk): 3}  # posts[1] had 2 approved, +1 new
+    assert_related_exact()
+
+
 def test_uncounted_middle_is_refused():
     with pytest.raises(TrackingError) as caught:
         counters.track(
@@ -135,6 +152,19 @@ def test_uncounted_middle_is_refused():
         )
     assert caught.value.check_id == "counters.E055"
     assert "RelLoosePost" in str(caught.value)
+
+
+def test_paths_through_two_relations_are_refused():
+    with pytest.raises(TrackingError) as caught:
+        counters.track(
+            "two_relations",
+            RouteEntry,
+            key="owner__id",
+            into="blog.RelAuthorStats.comments",
+            where=Q(keeper__name="k"),
+        )
+    assert caught.value.check_id == "counters.E055"
+    assert "two relations" in str(caught.value)
 
 
 @pytest.mark.parametrize(
