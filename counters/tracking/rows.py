@@ -95,12 +95,34 @@ def instance_row(
     return row
 
 
-def lock_middles(qs: models.QuerySet) -> models.QuerySet:
-    """``qs`` locking its rows: without blocking inserts below them where the database can."""
-    features = connections[qs.db].features
-    if features.has_select_for_update_of and features.has_select_for_no_key_update:
-        return qs.select_for_update(no_key=True, of=("self",))
-    return qs.select_for_update()
+#: The clause that locks the selected rows in share mode, per database vendor.
+SHARE_LOCK = {"postgresql": " FOR SHARE", "mysql": " LOCK IN SHARE MODE"}
+
+
+def share_locked(qs: models.QuerySet) -> list[tuple[Any, ...]]:
+    """The rows of ``qs`` (a ``values_list()``), locked in share mode until the transaction ends.
+
+    A share lock conflicts with the ``FOR UPDATE`` a change of a middle row
+    takes (:mod:`counters.tracking.middle`), and not with another share lock
+    nor with a foreign key check: writers of rows below one middle row do not
+    queue on each other. Django has no share mode, so the clause is added to
+    its SQL. SQLite locks the database instead; elsewhere the rows are locked
+    ``FOR UPDATE``.
+    """
+    connection = connections[qs.db]
+    clause = SHARE_LOCK.get(connection.vendor)
+    if clause is None:
+        return list(qs.select_for_update() if connection.features.has_select_for_update else qs)
+    compiler = qs.query.get_compiler(using=qs.db)
+    sql, params = compiler.as_sql()
+    with connection.cursor() as cursor:
+        cursor.execute(sql + clause, params)
+        rows: list[Any] = cursor.fetchall()
+    fields = [s[0] for s in compiler.select[0 : compiler.col_count]]
+    converters = compiler.get_converters(fields)
+    if converters:
+        rows = [tuple(row) for row in compiler.apply_converters(rows, converters)]
+    return [tuple(row) for row in rows]
 
 
 def with_related(
@@ -108,7 +130,7 @@ def with_related(
 ) -> list[Mapping[str, Any] | None]:
     """``rows`` of ``model`` with the values of its trackers' related paths added.
 
-    The middle rows are locked (in key order) before they are read: a change
+    The middle rows are share-locked (in key order) before they are read: a change
     of a middle row (:mod:`counters.tracking.middle`) locks it too, so it
     either counted these rows or waits for this transaction and counts them
     after it. Rows of a model without related paths are returned as they are.
@@ -151,6 +173,6 @@ def _middle_values(
     found: dict[Any, tuple[Any, ...]] = {}
     for chunk in batched(ids, CHUNK):
         qs = plain(hops[0].middle, using).filter(**{f"{column}__in": chunk}).order_by("pk")
-        for key, *rest in lock_middles(qs).values_list(column, *columns):
+        for key, *rest in share_locked(qs.values_list(column, *columns)):
             found[key] = tuple(rest)
     return found
