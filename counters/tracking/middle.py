@@ -47,6 +47,9 @@ def _columns(pairs: Pairs) -> list[str]:
 
 def _locked(qs: models.QuerySet, columns: list[str]) -> dict[Any, Row]:
     """``{pk: row}`` of the rows of ``qs``, locked until the transaction ends, in pk order."""
+    if qs.query.distinct or qs.query.combinator or qs.query.group_by is not None:
+        # PostgreSQL locks no row of a DISTINCT or GROUP BY: lock the same rows by pk.
+        qs = plain(qs.model, qs.db).filter(pk__in=qs.values("pk"))
     query = qs.select_for_update(of=("self",)) if _has_of(qs.db) else qs.select_for_update()
     rows = query.prefetch_related(None).order_by("pk").values_list("pk", *columns)
     return {pk: dict(zip(columns, rest, strict=True)) for pk, *rest in rows}

@@ -55,7 +55,9 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
                     rows.filter(pk__in=chunk)._update_rows(kwargs) for chunk in batched(pks, CHUNK)
                 )
 
-            return counted_update(self, kwargs, update_rows)
+            changed = counted_update(self, kwargs, update_rows)
+            self._result_cache = None
+            return changed
         return self._update_rows(kwargs)
 
     update.alters_data = True  # type: ignore[attr-defined]

@@ -76,6 +76,10 @@ def test_post_author_save_and_update(world):
     )
     a.rel_posts.update(published=False)  # a related manager
     assert_related_exact()
+    # through a multi-valued join: each post moves once, however many comments match
+    RelPost.objects.filter(comments__approved=True).update(editor=a, published=True)
+    RelPost.objects.filter(comments__points__gt=0).distinct().update(author=a)
+    assert_related_exact()
 
 
 def test_publish_toggles(world):
