@@ -154,6 +154,11 @@ def source_fields(tracker: Tracker) -> list[tuple[str, models.Field]]:
     return fields
 
 
+def related_fields(tracker: Tracker) -> list[tuple[str, models.Field]]:
+    """``(role, field)`` of every column the declaration's related paths read."""
+    return [("related path", hop.field) for hop in tracker.related]
+
+
 def refusals(
     tracker: Tracker,
     into_model: type[models.Model],
@@ -164,7 +169,7 @@ def refusals(
     found = [
         ("counters.E052", composite_key(tracker.model, "source")),
         ("counters.E052", composite_key(into_model, "into")),
-        ("counters.E051", generated(source_fields(tracker))),
+        ("counters.E051", generated(source_fields(tracker) + related_fields(tracker))),
         ("counters.E050", unfillable(into_model, into_key, value_field)),
     ]
     if not tracker.key_field.is_relation:

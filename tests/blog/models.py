@@ -293,3 +293,14 @@ class RelLooseComment(models.Model):
 
     def __str__(self) -> str:
         return f"loose comment {self.pk}"
+
+
+class RelVote(models.Model):
+    """Counted, below ``DeclGenerated``: a related path to its generated column is refused."""
+
+    target = models.ForeignKey(DeclGenerated, on_delete=models.CASCADE)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"vote {self.pk}"

@@ -17,7 +17,7 @@ import counters
 from counters.base.exceptions import TrackingError
 from counters.verify.audit import audit
 from counters.verify.rebuild import rebuild_all
-from tests.blog.models import RelAuthor, RelComment, RelLooseComment, RelPost, RouteEntry
+from tests.blog.models import RelAuthor, RelComment, RelLooseComment, RelPost, RelVote, RouteEntry
 from tests.blog.related import assert_related_exact, stored, truths
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
@@ -169,6 +169,19 @@ def test_paths_through_two_relations_are_refused():
         )
     assert caught.value.check_id == "counters.E055"
     assert "two relations" in str(caught.value)
+
+
+def test_a_related_path_to_a_generated_column_is_refused():
+    with pytest.raises(TrackingError) as caught:
+        counters.track(
+            "generated_path",
+            RelVote,
+            key="target__post",
+            into="blog.PostStats.comments",
+            where=Q(target__doubled__gt=2),
+        )
+    assert caught.value.check_id == "counters.E051"
+    assert "related path 'doubled' is a GeneratedField" in str(caught.value)
 
 
 @pytest.mark.parametrize(
