@@ -1,0 +1,137 @@
+"""What a related key costs per counted change: the test blog's comments, one writer.
+
+One writer process inserts comments, in ``--rounds`` interleaved rounds of
+``--inserts`` per mode, and reports per change the median of its own CPU time
+and of its PostgreSQL backend's (``/proc/<pid>/stat``, so PostgreSQL must run
+on this machine). The models and counters are those of ``tests.blog``:
+
+- ``plain_off`` / ``plain``: ``Comment.objects.create(approved=True)``, paused /
+  counted by its two counters keyed by the comment's own column
+  (``post_comments``, ``post_points``);
+- ``related_off`` / ``related``: ``RelComment.objects.create(approved=True)``,
+  paused / counted by its three counters over related paths
+  (``post__author``, ``post__editor`` with ``post__published``, and ``post``
+  with ``post__published``): each insert reads its post share-locked;
+- ``move_off`` / ``move``: ``RelPost.objects.filter(pk=…).update(author=…)``
+  of a post with ``--below`` comments, paused / counted: the middle-row route,
+  one grouped query moving the post's comments between authors.
+
+The database must be migrated with the test settings first::
+
+    createdb -h 127.0.0.1 -U postgres tally_related
+    export DJANGO_SETTINGS_MODULE=tests.settings
+    export DATABASE_URL=postgres://postgres@127.0.0.1:5432/tally_related
+    python manage.py migrate
+    python scripts/related_cost.py --redis-url redis://127.0.0.1:6393/0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.write_cost import backend_cpu  # noqa: E402
+
+MODES = ("plain_off", "plain", "related_off", "related", "move_off", "move")
+
+
+def operations(below: int) -> dict[str, Callable[[], None]]:
+    """One change per mode. Django must be set up."""
+    from counters import paused
+    from tests.blog.models import Comment, Post, RelAuthor, RelComment, RelPost
+
+    post = Post.objects.create(title="cost")
+    authors = [RelAuthor.objects.create(name=f"cost-{i}") for i in range(2)]
+    rel_post = RelPost.objects.create(author=authors[0], editor=authors[1], published=True)
+    moved = RelPost.objects.create(author=authors[0], published=True)
+    RelComment.objects.bulk_create([RelComment(post=moved, approved=True) for _ in range(below)])
+    turn = [0]
+
+    def plain() -> None:
+        Comment.objects.create(post=post, approved=True)
+
+    def related() -> None:
+        RelComment.objects.create(post=rel_post, approved=True)
+
+    def move() -> None:
+        turn[0] ^= 1
+        RelPost.objects.filter(pk=moved.pk).update(author=authors[turn[0]])
+
+    def off(op: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            with paused():
+                op()
+
+        return run
+
+    counted = {"plain": plain, "related": related, "move": move}
+    return {**counted, **{f"{name}_off": off(op) for name, op in counted.items()}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inserts", type=int, default=1000, help="changes per mode and round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--below", type=int, default=10, help="comments under the moved post")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6393/0")
+    args = parser.parse_args()
+
+    os.environ["COUNTERS_REDIS_URL"] = args.redis_url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+    from django.db import connection
+    from django.test.signals import setting_changed
+
+    import counters
+
+    if connection.vendor != "postgresql":
+        parser.error("needs PostgreSQL on this machine (DATABASE_URL=postgres://...)")
+    # The defaults of a project (the test settings wait on every push).
+    settings.COUNTERS_DEFER_ACKS = True
+    setting_changed.send(type(settings), setting="COUNTERS_DEFER_ACKS", value=True, enter=True)
+    ops = operations(args.below)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        backend = cursor.fetchone()[0]
+
+    results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    for round_ in range(args.rounds):
+        for mode in MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]:
+            for _ in range(50):
+                ops[mode]()
+            counters.push_queued()
+            cpu, db = time.process_time(), backend_cpu(backend)
+            for _ in range(args.inserts):
+                ops[mode]()
+            counters.push_queued()
+            spent = (time.process_time() - cpu, backend_cpu(backend) - db)
+            results[mode].append(tuple(t / args.inserts * 1e6 for t in spent))  # type: ignore[arg-type]
+        counters.flush()
+
+    print(f"one writer, {args.inserts} changes x {args.rounds} rounds, µs per change (median)")
+    print(f"{'mode':<12} {'writer':>7} {'postgres':>9} {'extra writer':>13} {'extra postgres':>15}")
+    for mode in MODES:
+        writer = statistics.median(r[0] for r in results[mode])
+        db = statistics.median(r[1] for r in results[mode])
+        if mode.endswith("_off"):
+            base = (writer, db)
+            print(f"{mode:<12} {writer:>7.0f} {db:>9.0f}")
+        else:
+            extra = f"{writer - base[0]:>+13.0f} {db - base[1]:>+15.0f}"
+            print(f"{mode:<12} {writer:>7.0f} {db:>9.0f} {extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
