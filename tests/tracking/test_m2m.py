@@ -20,6 +20,8 @@ from counters.base.exceptions import TrackingError
 from counters.tracking import trackers
 from counters.tracking.refusals import problems, uncounted_manager
 from tests.blog.models import Club, ClubStats, GroupStats, Membership, Post
+from tests.conftest import has_row_locks
+from tests.helpers import race
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
@@ -201,6 +203,27 @@ def test_a_seeded_random_mix_stays_exact():
         else:
             counters.flush()
     assert sum(truth().values()) == Through.objects.count()
+    assert_exact()
+
+
+@pytest.mark.serial
+@pytest.mark.skipif(not has_row_locks(), reason="needs row locks between connections")
+def test_racing_adds_and_removes_of_one_pair_from_both_sides_count_once():
+    alice, bob = people(2)
+    red = Group.objects.create(name="red")
+
+    def write(i: int, barrier) -> None:
+        user = (alice, bob)[i % 2]
+        for round_ in range(10):
+            barrier.wait()
+            if (i + round_) % 3 == 0:
+                red.user_set.remove(user)
+            elif (i // 2 + round_) % 2:  # each user added from either side
+                User.objects.get(pk=user.pk).groups.add(red)
+            else:
+                Group.objects.get(pk=red.pk).user_set.add(user)
+
+    race(6, write)
     assert_exact()
 
 
