@@ -37,7 +37,14 @@ from django.dispatch import Signal
 
 from counters.base.context import already_counted, is_paused
 from counters.base.utils import concrete_model, target_field
-from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
+from counters.tracking.rows import (
+    Row,
+    instance_row,
+    locked_rows,
+    plain,
+    read_rows,
+    with_related,
+)
 from counters.tracking.trackers import touches, tracked_attnames, trackers_for
 from counters.tracking.where import is_expression
 from counters.write.add import add_members
@@ -68,8 +75,12 @@ def count(
     The deltas of all its counters go together: one push for the change.
     """
     old, new = list(old), list(new)
+    trackers = trackers_for(model)
+    if any(tracker.related for tracker in trackers):
+        both = with_related(model, old + new, using)  # one locking read: in key order
+        old, new = both[: len(old)], both[len(old) :]
     members: dict[str, int] = {}
-    for tracker in trackers_for(model):
+    for tracker in trackers:
         tracker.add_members(members, old, new)
     add_members(members, using=using)
 
@@ -113,7 +124,12 @@ def needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) ->
         return False
     if obj.pk is not None:
         return True  # the row may exist: its old state is read under a lock
-    return _has_expression(obj)
+    return _has_expression(obj) or _has_related(type(obj))
+
+
+def _has_related(model: type[models.Model]) -> bool:
+    """Whether a tracker of ``model`` reads related rows: locked until the write commits."""
+    return any(tracker.related for tracker in trackers_for(model))
 
 
 def _has_expression(obj: models.Model) -> bool:
@@ -164,7 +180,9 @@ def counted_write(
         count(model, [before["row"] if updated else None], [new], using)
         return updated
     # (connections[using] costs microseconds: only looked up when it may matter)
-    if (may_update or _has_expression(obj)) and not connections[using].in_atomic_block:
+    if (may_update or _has_expression(obj) or _has_related(model)) and not connections[
+        using
+    ].in_atomic_block:
         with transaction.atomic(using=using):
             return _write_and_count(obj, model, write, using, update_fields, may_update)
     return _write_and_count(obj, model, write, using, update_fields, may_update)
@@ -292,7 +310,7 @@ def _cascaded_row(model: type[models.Model], instance: models.Model, using: str,
         return _UNKNOWN
     for tracker in trackers_for(model):
         parent = tracker.parent_model
-        if parent is None or not isinstance(origin, parent):
+        if parent is None or tracker.related_key or not isinstance(origin, parent):
             continue
         attname = tracker.key_field.attname
         value = getattr(origin, target_field(tracker.key_field).attname)

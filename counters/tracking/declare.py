@@ -31,6 +31,7 @@ from counters.base import backends, registry
 from counters.base.exceptions import TrackedTooEarly, TrackingError, UnknownCounter
 from counters.base.utils import concrete_model, related_model, target_field
 from counters.tracking import keys, m2m, refusals
+from counters.tracking.paths import Hop, PathError, resolve
 from counters.tracking.routes import install_tracked
 from counters.tracking.trackers import Tracker, add_tracker, find_tracker
 from counters.tracking.truth import QueryTruth
@@ -55,7 +56,8 @@ CHECK_IDS = {
     "counters.E053": "a counter column that already holds another counter",
     "counters.E054": "a key whose values are not values of the into model's key field",
     "counters.E055": "a composite key whose parts cannot be read or stored",
-    "counters.E056": "a many-to-many through model whose rows Django writes uncounted",
+    "counters.E056": "a related key or where through an uncounted model, or two relations",
+    "counters.E057": "a many-to-many through model whose rows Django writes uncounted",
 }
 
 
@@ -70,9 +72,11 @@ def track(
 ) -> Tracker:
     """Count the rows of ``model`` per ``key`` into ``into`` (``"app_label.Model.field"``).
 
-    ``key`` is a field, or a tuple of field paths (a composite key, see
-    :mod:`counters.tracking.keys`). ``where`` (a ``Q`` on the model's own
-    fields) picks the rows that count;
+    ``key`` is a field, a related path (``"post__author"``: one forward foreign
+    key or one-to-one, then a column of its model, whose default manager must be
+    counted), or a tuple of field paths (a composite key, see
+    :mod:`counters.tracking.keys`). ``where`` (a ``Q`` on the model's own fields,
+    or on related paths like ``post__published``) picks the rows that count;
     ``amount`` (an integer field) is added instead of 1. A counter without
     ``amount`` is a count of rows and never reads below zero. Call it from
     an ``AppConfig.ready()`` (earlier, :class:`TrackedTooEarly` is raised);
@@ -92,9 +96,9 @@ def track(
         tracker, into_model, value_field = _composite(name, source, key, into, where, amount)
         into_key = tracker.into_keys[0]
     else:
-        key_field = _column(name, source, key, "key")
+        key, key_field, hops = _key(name, source, key)
         into_model, value_field, into_key = _resolve_into(name, into, key_field)
-        tracker = _validate(name, source, key, key_field, into, where, amount)
+        tracker = _validate(name, source, key, key_field, into, where, amount, hops)
     for check_id, problem in refusals.refusals(tracker, into_model, into_key, value_field):
         raise TrackingError(check_id, name, problem)
     existing = find_tracker(name)
@@ -127,7 +131,11 @@ def _composite(
         stored = keys.into_fields(into_model, parts)
     except keys.KeyProblem as exc:
         raise TrackingError(keys.CHECK_ID, name, str(exc)) from None
-    plain = _validate(name, source, str(key), parts[0].field, into, where, amount)
+    plain = _validate(name, source, str(key), parts[0].field, into, where, amount, {})
+    if plain.related:
+        raise TrackingError(
+            keys.CHECK_ID, name, "a composite key counts with a where over the row's own columns"
+        )
     attnames = [p.attname for p in parts]
     attnames += [a for a in plain.attnames if a not in attnames]
     tracker = keys.CompositeTracker(
@@ -154,6 +162,7 @@ def _validate(
     into: str,
     where: Q | None,
     amount: str | None,
+    hops: dict[str, Hop],
 ) -> Tracker:
     """The tracker of a declaration whose amount, where and routes can be counted; else raises."""
     amount_field = None
@@ -166,7 +175,9 @@ def _validate(
                 f"amount {amount!r} is a {amount_field.get_internal_type()}, not an integer field",
             )
     try:
-        condition, where_attnames = compile_where(source, where, mysql=backends.any_mysql())
+        condition, where_attnames = compile_where(
+            source, where, mysql=backends.any_mysql(), hops=hops
+        )
     except WhereError as exc:
         check_id = "counters.E010" if exc.unknown_field else "counters.E011"
         raise TrackingError(check_id, name, str(exc)) from None
@@ -176,10 +187,11 @@ def _validate(
     route_problem = refusals.route_refusal(source)
     if route_problem:
         raise TrackingError(route_problem[0], name, route_problem[1])
-    attnames = [key_field.attname]
+    links = [hop.link.attname for hop in hops.values()]
+    attnames = [key_field.attname] if key not in hops else []
     if amount_field is not None:
         attnames.append(amount_field.attname)
-    attnames += sorted(where_attnames - set(attnames))
+    attnames += sorted((where_attnames | set(links)) - set(attnames))
     return Tracker(
         name=name,
         model=source,
@@ -191,6 +203,7 @@ def _validate(
         amount_field=amount_field,
         condition=condition,
         attnames=tuple(attnames),
+        related=tuple(hops.values()),
     )
 
 
@@ -231,6 +244,19 @@ def _registered(name: str) -> bool:
     except UnknownCounter:
         return False
     return True
+
+
+def _key(
+    name: str, source: type[models.Model], key: str
+) -> tuple[str, models.Field, dict[str, Hop]]:
+    """``(key, the field its values are of, related paths)``: a column, or a related path."""
+    if not isinstance(key, str) or "__" not in key:
+        return key, _column(name, source, key, "key"), {}
+    try:
+        hop = resolve(source, key)
+    except PathError as exc:
+        raise TrackingError("counters.E010", name, f"key {exc}") from None
+    return hop.path, hop.field, {hop.path: hop}
 
 
 def _source_model(name: str, model: type[models.Model] | str) -> type[models.Model]:

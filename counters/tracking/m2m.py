@@ -22,7 +22,7 @@ pairs that exist; ``post_add`` reads back the rows inserted and counts them. Bot
 in Django's transaction of the ``add()``.
 
 An auto-created through of a symmetrical many-to-many (``ManyToManyField("self")``) is
-refused (``counters.E056``): Django adds its mirror rows without signals.
+refused (``counters.E057``): Django adds its mirror rows without signals.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from counters.tracking.rows import CHUNK, locked_rows, plain
 from counters.tracking.trackers import trackers_for
 
 #: The check id of a through model whose writes cannot all be counted.
-CHECK_ID = "counters.E056"
+CHECK_ID = "counters.E057"
 
 #: Connection attribute: ``{(through, source value, targets): targets to insert}`` of the
 #: ``add()`` calls between their ``pre_add`` and ``post_add``.
@@ -67,7 +67,7 @@ def _field(through: type[models.Model]) -> models.ManyToManyField | None:
 
 
 def refusal(model: type[models.Model]) -> str | None:
-    """E056: why the writes of through model ``model`` cannot all be counted, or None."""
+    """E057: why the writes of through model ``model`` cannot all be counted, or None."""
     field = _field(model) if model._meta.auto_created else None
     if field is not None and field.remote_field.symmetrical:
         return (

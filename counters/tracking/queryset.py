@@ -22,6 +22,7 @@ from django.db import NotSupportedError, models, transaction
 from counters.base.context import counted_rows, is_paused
 from counters.base.utils import batched, model_field
 from counters.tracking.counting import rows_changed
+from counters.tracking.middle import counted_update
 from counters.tracking.relatives import (
     count_relatives,
     lock_relatives,
@@ -30,7 +31,7 @@ from counters.tracking.relatives import (
     touched_relatives,
 )
 from counters.tracking.rows import CHUNK, instance_row, locked_rows, plain, read_rows
-from counters.tracking.trackers import touches, tracked_fields, trackers_for
+from counters.tracking.trackers import middle_touched, touches, tracked_fields, trackers_for
 from counters.tracking.where import is_expression, python_value
 
 
@@ -42,6 +43,27 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
         return self.db
 
     def update(self, **kwargs: Any) -> int:
+        if not is_paused() and middle_touched(self.model, kwargs):
+            cast(Any, self)._not_support_combined_queries("update")
+            if self.query.is_sliced:
+                raise TypeError("Cannot update a query once a slice has been taken.")
+            using = self._write_db()
+
+            def update_rows(pks: list[Any]) -> int:
+                rows = CountedQuerySet(self.model, using=using)
+                return sum(
+                    rows.filter(pk__in=chunk)._update_rows(kwargs) for chunk in batched(pks, CHUNK)
+                )
+
+            changed = counted_update(self, kwargs, update_rows)
+            self._result_cache = None
+            return changed
+        return self._update_rows(kwargs)
+
+    update.alters_data = True  # type: ignore[attr-defined]
+
+    def _update_rows(self, kwargs: dict[str, Any]) -> int:
+        """``update(**kwargs)`` counted for the model's own trackers and its relatives."""
         model = self.model
         if is_paused():
             return super().update(**kwargs)
@@ -78,8 +100,6 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
             count_relatives(before, pks, using)
         self._result_cache = None
         return changed
-
-    update.alters_data = True  # type: ignore[attr-defined]
 
     def delete(self) -> tuple[int, dict[str, int]]:
         model = self.model

@@ -13,6 +13,12 @@ before anything is registered, and the ``counters`` system check
   :mod:`counters.tracking.routes`) with an uncounted base manager, or an
   uncounted default manager (:func:`route_refusal`).
 
+- ``counters.E056``: a related key or where (``"post__author"``) through a
+  model whose default or base manager is not counted (a change of its rows
+  moves the counts of the rows below them), with multi-table relatives, or
+  leading back to the source model; or paths through two relations of the
+  source (:func:`uncounted_middle`).
+
 - ``counters.E050``: the flush creates missing counter rows with the key, the
   value and the other columns' defaults; a NOT NULL column with no default
   (nor a database default) cannot be filled, and every delta of a new key
@@ -45,6 +51,7 @@ from counters.tracking.relatives import sharers
 from counters.tracking.trackers import tracked_models
 
 if TYPE_CHECKING:
+    from counters.tracking.paths import Hop
     from counters.tracking.trackers import Tracker
 
 
@@ -149,6 +156,11 @@ def source_fields(tracker: Tracker) -> list[tuple[str, models.Field]]:
     return fields
 
 
+def related_fields(tracker: Tracker) -> list[tuple[str, models.Field]]:
+    """``(role, field)`` of every column the declaration's related paths read."""
+    return [("related path", hop.field) for hop in tracker.related]
+
+
 def refusals(
     tracker: Tracker,
     into_model: type[models.Model],
@@ -162,14 +174,12 @@ def refusals(
     found = [
         ("counters.E052", composite_key(tracker.model, "source")),
         ("counters.E052", composite_key(into_model, "into")),
-        ("counters.E051", generated(source_fields(tracker))),
-        (
-            "counters.E050",
-            unfillable(into_model, given, value_field),
-        ),
+        ("counters.E051", generated(source_fields(tracker) + related_fields(tracker))),
+        ("counters.E050", unfillable(into_model, given, value_field)),
     ]
     if not composite and not tracker.key_field.is_relation:
         found.append(("counters.E054", key_mismatch(tracker.key_field, into_key)))
+    found.append(("counters.E056", uncounted_middle(tracker.model, tracker.related)))
     return [(check_id, problem) for check_id, problem in found if problem]
 
 
@@ -199,6 +209,46 @@ def uncounted_manager(model: type[models.Model]) -> str | None:
         "objects = counters.CountedManager() (or a manager of a counters.CountedQuerySet "
         "subclass)"
     )
+
+
+def uncounted_middle(source: type[models.Model], hops: Iterable[Hop]) -> str | None:
+    """E056: a related path through a model whose changes are not all counted.
+
+    Paths through two relations of the source (``post__author`` and
+    ``category__visible``) are refused too: two transactions changing a post
+    and a category of the same row would each move it with the other's old
+    value.
+    """
+    hops = list(hops)
+    links = sorted({hop.link.name for hop in hops})
+    if len(links) > 1:
+        return (
+            f"related paths through {' and '.join(links)}: paths through two relations "
+            "of the counted model are not counted; use paths through one of them"
+        )
+    for hop in hops:
+        middle = hop.middle
+        label = middle._meta.label
+        if middle is source or issubclass(source, middle) or issubclass(middle, source):
+            return f"{hop.path!r} leads back to {label}, the source model: not counted"
+        if middle._meta.parents or any(
+            m._meta.parents.get(middle) for m in middle._meta.apps.get_models()
+        ):
+            return (
+                f"{hop.path!r} goes through {label}, which has multi-table relatives: "
+                "related paths through them are not counted"
+            )
+        problem = uncounted_manager(middle)
+        if problem is None:
+            base = middle._meta.base_manager
+            if base.auto_created or isinstance(base.get_queryset(), CountedQuerySet):
+                continue
+            problem = f"its base manager {label}.{base.name} is not counted"
+        return (
+            f"{hop.path!r} goes through {label}, whose changes move the counts of the rows "
+            f"below it: {problem}"
+        )
+    return None
 
 
 def route_refusal(model: type[models.Model]) -> tuple[str, str] | None:

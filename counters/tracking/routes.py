@@ -19,6 +19,9 @@ hooks into Django, and every method it wraps goes through one function
 - ``pre_delete``/``post_delete`` receivers (:func:`connect_model`), per model,
   so Django keeps fast-deleting the rows of every model that is not tracked.
 - Counters keyed by a natural key keep tombstones (:mod:`counters.tracking.tombs`).
+- The middle model of a related key or where (``"post__author"``): its
+  ``_save_table()``, and its base manager and ``update()``, move the rows
+  below a changed row (:mod:`counters.tracking.middle`).
 
 And for every model sharing its rows
 (:func:`~counters.tracking.relatives.sharers`: its proxies, its multi-table
@@ -69,6 +72,7 @@ from counters.tracking.counting import (
     needs_transaction,
     read_before_parents,
 )
+from counters.tracking.middle import middle_save_table
 from counters.tracking.queryset import CountedManager, CountedQuerySet
 from counters.tracking.relatives import (
     after_save,
@@ -79,7 +83,13 @@ from counters.tracking.relatives import (
     spans_tables,
     touched_relatives,
 )
-from counters.tracking.trackers import Tracker, touches, tracked_models, trackers_for
+from counters.tracking.trackers import (
+    Tracker,
+    middle_touched,
+    touches,
+    tracked_models,
+    trackers_for,
+)
 
 Method = Callable[..., Any]
 #: Class attribute: the ``(method, wrapper)`` pairs :func:`_wrap` installed on that class.
@@ -99,6 +109,9 @@ def install_tracked(tracker: Tracker) -> None:
         tombs.connect(spec.target_model)
     for tracked in tracked_models():  # a new tracked model may be a relative of the others
         _install_sharers(tracked)
+    for hop in tracker.related:  # the middle rows of its related paths (tracking/middle.py)
+        _wrap(hop.middle, "_save_table", middle_save_table)
+        _install_base_manager(hop.middle)
 
 
 def _install_sharers(model: type[models.Model]) -> None:
@@ -267,7 +280,10 @@ def _rows_to_update(collector: Collector, field: models.Field, objs: Any) -> Any
     if not objs:
         return objs
     model = type(objs[0])
-    if not (touches(model, [field.name]) or touched_relatives(model, [field.name])):
+    names = [field.name]
+    if not (
+        touches(model, names) or touched_relatives(model, names) or middle_touched(model, names)
+    ):
         return objs
     pks = [obj.pk for obj in objs]
     return model._base_manager.using(collector.using).filter(pk__in=pks)

@@ -19,6 +19,7 @@ from django.db.models import Q
 
 from counters.base import registry
 from counters.base.utils import concrete_model
+from counters.tracking.paths import Hop
 from counters.tracking.where import Predicate, Row
 
 
@@ -36,6 +37,19 @@ class Tracker:
     amount_field: models.Field | None
     condition: Predicate
     attnames: tuple[str, ...]
+    #: The related paths read (:mod:`counters.tracking.paths`), the key's first if it has one.
+    related: tuple[Hop, ...] = ()
+
+    @property
+    def key_name(self) -> str:
+        """The key's name in a row and in a lookup: its attname, or its related path."""
+        if self.related and self.related[0].path == self.key:
+            return self.key
+        return self.key_field.attname
+
+    @property
+    def related_key(self) -> bool:
+        return bool(self.related) and self.related[0].path == self.key
 
     @property
     def signature(self) -> tuple:
@@ -53,7 +67,7 @@ class Tracker:
 
     def contribution(self, row: Row) -> tuple[Any, int] | None:
         """``(key, what the row adds)``, or None if it adds nothing."""
-        key = row[self.key_field.attname]
+        key = row[self.key_name]
         if key is None or not self.condition(row):
             return None
         if self.amount_field is None:
@@ -103,6 +117,8 @@ _by_model: dict[type[models.Model], tuple[Tracker, ...]] = {}
 _fields: dict[type[models.Model], tuple[models.Field, ...]] = {}
 _attnames: dict[type[models.Model], tuple[str, ...]] = {}
 _names: dict[type[models.Model], frozenset[str]] = {}
+#: middle model -> ``(tracker, hop)`` of every related path through it.
+_middles: dict[type[models.Model], tuple[tuple[Tracker, Hop], ...]] = {}
 
 
 def add_tracker(tracker: Tracker) -> None:
@@ -115,6 +131,30 @@ def add_tracker(tracker: Tracker) -> None:
     _fields[model] = fields
     _attnames[model] = tuple(f.attname for f in fields)
     _names[model] = frozenset({f.name for f in fields} | {f.attname for f in fields})
+    for hop in tracker.related:
+        _middles[hop.middle] = (*_middles.get(hop.middle, ()), (tracker, hop))
+
+
+def middle_hops(model: type[models.Model]) -> tuple[tuple[Tracker, Hop], ...]:
+    """``(tracker, hop)`` of the related paths that read columns of ``model``."""
+    return _middles.get(concrete_model(model), ())
+
+
+def middle_touched(
+    model: type[models.Model], names: Iterable[str]
+) -> tuple[tuple[Tracker, Hop], ...]:
+    """The related paths through ``model`` that read one of fields ``names``."""
+    found = _middles.get(concrete_model(model))
+    if not found:
+        return ()
+    names = set(names)
+    return tuple(
+        (t, hop) for t, hop in found if hop.field.name in names or hop.field.attname in names
+    )
+
+
+def middle_models() -> tuple[type[models.Model], ...]:
+    return tuple(_middles)
 
 
 def trackers_for(model: type[models.Model]) -> tuple[Tracker, ...]:

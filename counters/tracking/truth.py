@@ -1,10 +1,10 @@
 """The truth of a tracked counter, read from the source rows (for rebuilds and audits).
 
 ``COUNT(*)`` (or ``SUM(amount)``) of the source rows matching ``where``,
-grouped by key. When the key points to a parent model, the keys are the
-parent's rows in keyset order, so counters whose truth is 0 are checked
-too; otherwise they are the keys found in the source rows and in the
-counter rows.
+grouped by key (a related key or where is a join: ``post__author``). When
+the key points to a parent model, the keys are the parent's rows in keyset
+order, so counters whose truth is 0 are checked too; otherwise they are the
+keys found in the source rows and in the counter rows.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class QueryTruth:
             if after is not None:
                 keys = keys.filter(**{f"{column}__gt": after})
             return list(keys.values_list(column, flat=True)[:limit])
-        found = set(self._distinct(self._rows(using), self.tracker.key_field.attname, after, limit))
+        found = set(self._distinct(self._rows(using), self.tracker.key_name, after, limit))
         spec = self.tracker.spec
         counted: models.QuerySet[Any, Any] = models.QuerySet(spec.model, using=using)
         found.update(self._distinct(counted, spec.key_attname, after, limit))
@@ -58,7 +58,7 @@ class QueryTruth:
 
     def count_for(self, keys: list[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict[Any, int]:
         tracker = self.tracker
-        column = tracker.key_field.attname
+        column = tracker.key_name
         rows = self._rows(using).filter(**{f"{column}__in": keys})
         if tracker.where is not None:
             rows = rows.filter(tracker.where)
@@ -74,5 +74,5 @@ class QueryTruth:
         parent = self.tracker.parent_model
         if parent is not None:
             return models.QuerySet(parent, using=using).count()
-        column = self.tracker.key_field.attname
+        column = self.tracker.key_name
         return self._rows(using).values(column).distinct().count()

@@ -6,9 +6,11 @@ Only lookups whose Python answer is the database's answer are accepted:
 order is the database collation's; on MySQL and MariaDB, so is its equality,
 unless the collation is binary: see :func:`compile_where`). ``&``, ``|``, ``^`` and ``~`` combine
 them. A lookup with ``None`` or on NULL is false, as in SQL; under ``~``
-Django makes every comparison two-valued, and so does Python. A relation
-traversal (``post__title``) or an expression (``F("a")``) cannot be decided
-from the row's own values and is refused by :func:`compile_where`.
+Django makes every comparison two-valued, and so does Python. An expression
+(``F("a")``) cannot be decided from the row's values and is refused by
+:func:`compile_where`; so is a path through a relation (``post__published``)
+unless the caller accepts related paths (:mod:`counters.tracking.paths`): the
+row then carries the related value under the path's name.
 
 Values are compared as Python values of their field (:func:`python_value`):
 the values a row read from the database has, and the values an instance
@@ -28,9 +30,12 @@ from django.db.models import Q
 from django.utils import timezone
 
 from counters.base.utils import target_field
+from counters.tracking.paths import Hop, PathError, resolve
 
 Row = Mapping[str, Any]
 Predicate = Callable[[Row], bool]
+#: Related paths accepted in a where, and where they are collected (None: refused).
+Hops = dict[str, Hop] | None
 
 _INTEGERS = {
     "AutoField",
@@ -118,7 +123,7 @@ TEXT = {"CharField", "TextField", "SlugField"}
 
 
 def compile_where(
-    model: type[models.Model], where: Q | None, *, mysql: bool = False
+    model: type[models.Model], where: Q | None, *, mysql: bool = False, hops: Hops = None
 ) -> tuple[Predicate, set[str]]:
     """A predicate over ``{attname: value}`` rows, and the attnames it reads.
 
@@ -133,15 +138,18 @@ def compile_where(
     if not isinstance(where, Q):
         raise WhereError(f"where must be a Q object, not {type(where).__name__}")
     attnames: set[str] = set()
-    return _node(model, where, attnames, mysql), attnames
+    predicate = _node(model, where, attnames, mysql, hops)
+    return predicate, attnames - set(hops or ())
 
 
-def _node(model: type[models.Model], q: Q, attnames: set[str], mysql: bool) -> Predicate:
+def _node(
+    model: type[models.Model], q: Q, attnames: set[str], mysql: bool, hops: Hops
+) -> Predicate:
     read: set[str] = set()
     parts = [
-        _node(model, child, read, mysql)
+        _node(model, child, read, mysql, hops)
         if isinstance(child, Q)
-        else _leaf(model, child, read, mysql)
+        else _leaf(model, child, read, mysql, hops)
         for child in q.children
     ]
     attnames |= read
@@ -175,32 +183,13 @@ def _node(model: type[models.Model], q: Q, attnames: set[str], mysql: bool) -> P
     return test
 
 
-def _leaf(model: type[models.Model], child: Any, attnames: set[str], mysql: bool) -> Predicate:
+def _leaf(
+    model: type[models.Model], child: Any, attnames: set[str], mysql: bool, hops: Hops
+) -> Predicate:
     if not (isinstance(child, tuple) and len(child) == 2 and isinstance(child[0], str)):
         raise WhereError(f"{child!r} is not a field lookup")
     path, value = child
-    name, _, lookup = path.partition("__")
-    lookup = lookup or "exact"
-    try:
-        found = model._meta.get_field(name)
-    except FieldDoesNotExist:
-        raise WhereError(
-            f"{model._meta.label} has no field {name!r} (in where {path!r})", unknown_field=True
-        ) from None
-    if not isinstance(found, models.Field) or not found.concrete or found.many_to_many:
-        raise WhereError(f"where {path!r}: {name!r} is not a column of {model._meta.label}")
-    field = found
-    if lookup not in LOOKUPS:
-        related = field.related_model
-        if "__" in lookup or (isinstance(related, type) and _is_field(related, lookup)):
-            raise WhereError(
-                f"where {path!r} follows a relation: it cannot be decided from a row's own "
-                f"values (compare {field.attname!r} instead)"
-            )
-        raise WhereError(
-            f"where {path!r}: lookup {lookup!r} is not supported "
-            f"(supported: {', '.join(sorted(LOOKUPS))})"
-        )
+    field, attname, lookup = _lookup(model, path, hops)
     kind = field.get_internal_type()
     allowed = ORDERED if lookup in {"gt", "gte", "lt", "lte"} else COMPARABLE
     if lookup != "isnull" and kind not in allowed:
@@ -220,7 +209,6 @@ def _leaf(model: type[models.Model], child: Any, attnames: set[str], mysql: bool
             f"where {path!r} compares with an expression: only constants can be decided "
             "from a row's own values"
         )
-    attname = field.attname
     attnames.add(attname)
     if lookup == "isnull" or (lookup == "exact" and value is None):
         wanted = True if lookup == "exact" else value
@@ -236,6 +224,46 @@ def _leaf(model: type[models.Model], child: Any, attnames: set[str], mysql: bool
         raise WhereError(f"where {path!r}: {value!r} is not a value of that field ({exc})") from exc
     compare = _COMPARE[lookup]
     return lambda row: row[attname] is not None and compare(row[attname], target)
+
+
+def _lookup(model: type[models.Model], path: str, hops: Hops) -> tuple[models.Field, str, str]:
+    """``(field, its name in a row, lookup)`` of ``path``: a column, or a related one."""
+    name, _, lookup = path.partition("__")
+    lookup = lookup or "exact"
+    try:
+        found = model._meta.get_field(name)
+    except FieldDoesNotExist:
+        raise WhereError(
+            f"{model._meta.label} has no field {name!r} (in where {path!r})", unknown_field=True
+        ) from None
+    if not isinstance(found, models.Field) or not found.concrete or found.many_to_many:
+        raise WhereError(f"where {path!r}: {name!r} is not a column of {model._meta.label}")
+    if lookup in LOOKUPS:
+        return found, found.attname, lookup
+    related = found.related_model
+    follows = "__" in lookup or (isinstance(related, type) and _is_field(related, lookup))
+    if follows and hops is not None and isinstance(related, type):
+        column, _, lookup = lookup.partition("__")
+        try:
+            hop = resolve(model, f"{name}__{column}")
+        except PathError as exc:
+            raise WhereError(f"where {path!r}: {exc}", unknown_field=True) from None
+        if lookup and lookup not in LOOKUPS:
+            raise WhereError(
+                f"where {path!r}: lookup {lookup!r} is not supported (a related path is one "
+                f"relation and a column; supported lookups: {', '.join(sorted(LOOKUPS))})"
+            )
+        hops[hop.path] = hop
+        return hop.field, hop.path, lookup or "exact"
+    if follows:
+        raise WhereError(
+            f"where {path!r} follows a relation: it cannot be decided from a row's own "
+            f"values (compare {found.attname!r} instead)"
+        )
+    raise WhereError(
+        f"where {path!r}: lookup {lookup!r} is not supported "
+        f"(supported: {', '.join(sorted(LOOKUPS))})"
+    )
 
 
 def _exact_collation(field: models.Field) -> bool:

@@ -12,7 +12,7 @@ class BlogConfig(AppConfig):
     def ready(self) -> None:
         import counters
 
-        from .models import Comment
+        from .models import Comment, RelComment
 
         counters.track(
             "post_comments",
@@ -28,4 +28,27 @@ class BlogConfig(AppConfig):
             into="blog.PostStats.points",
             where=Q(approved=True),
             amount="points",
+        )
+        # Related keys and conditions (tests/tracking/test_related_*.py)
+        counters.track(
+            "author_comments",
+            RelComment,
+            key="post__author",
+            into="blog.RelAuthorStats.comments",
+            where=Q(approved=True),
+        )
+        counters.track(
+            "editor_points",
+            RelComment,
+            key="post__editor",
+            into="blog.RelAuthorStats.points",
+            where=Q(approved=True, post__published=True),
+            amount="points",
+        )
+        counters.track(
+            "post_published_comments",
+            RelComment,
+            key="post",
+            into="blog.RelPostStats.published_comments",
+            where=Q(approved=True, post__published=True),
         )

@@ -224,6 +224,88 @@ class RouteChild(RouteBase):
     extra = models.IntegerField(default=0)
 
 
+# Models of the related-key tests: comments counted per author (and editor) of their post.
+
+
+class RelAuthor(models.Model):
+    name = models.CharField(max_length=50, default="")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class RelAuthorStats(models.Model):
+    author = models.OneToOneField(RelAuthor, primary_key=True, on_delete=models.CASCADE)
+    comments = models.BigIntegerField(default=0)
+    points = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.pk}: {self.comments} comments, {self.points} points"
+
+
+class RelPost(models.Model):
+    """A middle model: its author, editor and published flag decide its comments' counters."""
+
+    author = models.ForeignKey(RelAuthor, on_delete=models.CASCADE, related_name="rel_posts")
+    editor = models.ForeignKey(
+        RelAuthor, on_delete=models.SET_NULL, null=True, blank=True, related_name="rel_edited"
+    )
+    published = models.BooleanField(default=False)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"post {self.pk}"
+
+
+class RelPostStats(models.Model):
+    post = models.OneToOneField(RelPost, primary_key=True, on_delete=models.CASCADE)
+    published_comments = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.pk}: {self.published_comments}"
+
+
+class RelComment(models.Model):
+    post = models.ForeignKey(RelPost, on_delete=models.CASCADE, related_name="comments")
+    approved = models.BooleanField(default=False)
+    points = models.IntegerField(default=1)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"comment {self.pk}"
+
+
+class RelLoosePost(models.Model):
+    """A middle model whose default manager is not counted: paths through it are refused."""
+
+    author = models.ForeignKey(RelAuthor, on_delete=models.CASCADE, related_name="loose_posts")
+
+    def __str__(self) -> str:
+        return f"loose post {self.pk}"
+
+
+class RelLooseComment(models.Model):
+    post = models.ForeignKey(RelLoosePost, on_delete=models.CASCADE)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"loose comment {self.pk}"
+
+
+class RelVote(models.Model):
+    """Counted, below ``DeclGenerated``: a related path to its generated column is refused."""
+
+    target = models.ForeignKey(DeclGenerated, on_delete=models.CASCADE)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"vote {self.pk}"
+
+
 # -- many-to-many: memberships per group (auth's own through), per club (an explicit through) --
 
 

@@ -15,7 +15,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.db import connection
-from django.db.models import Count
+from django.db.models import Count, Q
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
@@ -295,3 +295,16 @@ def test_what_cannot_be_stored_is_refused(key, into, says):
         counters.track("daily_refused", Notification, key=key, into=into)
     assert info.value.check_id == "counters.E055"
     assert says in str(info.value)
+
+
+def test_a_where_through_a_relation_is_refused_with_a_composite_key():
+    with pytest.raises(TrackingError) as info:
+        counters.track(
+            "daily_refused",
+            Notification,
+            key=("recipient", "created_at__date"),
+            into="notifications.DailyCount.count",
+            where=Q(recipient__is_active=True),
+        )
+    assert info.value.check_id in {"counters.E055", "counters.E056"}
+    assert "daily_refused" not in {spec.name for spec in registry.all_specs()}

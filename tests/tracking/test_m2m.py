@@ -275,7 +275,7 @@ def test_a_symmetrical_through_is_refused():
     try:
         with pytest.raises(TrackingError) as info:
             counters.track("peer_friends", Peer.friends.through, key="from_peer", into="x.Y.z")
-        assert info.value.check_id == "counters.E056"
+        assert info.value.check_id == "counters.E057"
         assert "symmetrical" in str(info.value)
     finally:
         from django.apps import apps

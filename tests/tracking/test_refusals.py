@@ -51,7 +51,13 @@ def isolated_trackers(monkeypatch):
         pytest.param({"amount": "score"}, "counters.E010", "amount 'score'", id="amount"),
         pytest.param({"where": Q(colour=1)}, "counters.E010", "no field 'colour'", id="where"),
         pytest.param(
-            {"where": Q(post__title="x")}, "counters.E011", "follows a relation", id="traversal"
+            {"where": Q(post__id__gt=0)}, "counters.E056", "through blog.Post", id="traversal"
+        ),
+        pytest.param(
+            {"where": Q(post__title__startswith="x")},
+            "counters.E011",
+            "'startswith'",
+            id="traversal-lookup",
         ),
         pytest.param(
             {"where": Q(text__icontains="a")}, "counters.E011", "'icontains'", id="lookup"
