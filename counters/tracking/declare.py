@@ -30,7 +30,7 @@ from django.db.models import Q
 from counters.base import backends, registry
 from counters.base.exceptions import TrackedTooEarly, TrackingError, UnknownCounter
 from counters.base.utils import concrete_model, related_model, target_field
-from counters.tracking import keys, refusals
+from counters.tracking import keys, m2m, refusals
 from counters.tracking.paths import Hop, PathError, resolve
 from counters.tracking.routes import install_tracked
 from counters.tracking.trackers import Tracker, add_tracker, find_tracker
@@ -57,6 +57,7 @@ CHECK_IDS = {
     "counters.E054": "a key whose values are not values of the into model's key field",
     "counters.E055": "a composite key whose parts cannot be read or stored",
     "counters.E056": "a related key or where through an uncounted model, or two relations",
+    "counters.E057": "a many-to-many through model whose rows Django writes uncounted",
 }
 
 
@@ -86,6 +87,10 @@ def track(
     if not isinstance(name, str) or not name or ":" in name:
         raise TrackingError("counters.E016", str(name), "a name is a non-empty string without ':'")
     source = _source_model(name, model)
+    through_problem = m2m.refusal(source)
+    if through_problem:
+        raise TrackingError(m2m.CHECK_ID, name, through_problem)
+    m2m.prepare(source)  # an auto-created through model gets a counted manager
     tracker: Tracker
     if isinstance(key, tuple):
         tracker, into_model, value_field = _composite(name, source, key, into, where, amount)
@@ -106,6 +111,7 @@ def track(
     _register(tracker, into_model, into_key, value_field)
     add_tracker(tracker)
     install_tracked(tracker)
+    m2m.install(tracker.model)
     logger.debug("tracking %s: %s", tracker.name, tracker.signature)
     return tracker
 

@@ -304,3 +304,49 @@ class RelVote(models.Model):
 
     def __str__(self) -> str:
         return f"vote {self.pk}"
+
+
+# -- many-to-many: memberships per group (auth's own through), per club (an explicit through) --
+
+
+class GroupStats(models.Model):
+    """One row per ``auth.Group``: its count of members (rows of ``User.groups.through``)."""
+
+    group = models.OneToOneField("auth.Group", primary_key=True, on_delete=models.CASCADE)
+    members = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.pk}: {self.members} members"
+
+
+class Club(models.Model):
+    name = models.CharField(max_length=50, default="")
+    posts = models.ManyToManyField(Post, through="Membership", related_name="clubs")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    """The explicit through of ``Club.posts``, a counted model."""
+
+    club = models.ForeignKey(Club, on_delete=models.CASCADE)
+    post = models.ForeignKey(Post, on_delete=models.CASCADE)
+
+    objects = counters.CountedManager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["club", "post"], name="blog_membership_club_post")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.club_id}:{self.post_id}"
+
+
+class ClubStats(models.Model):
+    club = models.OneToOneField(Club, primary_key=True, on_delete=models.CASCADE)
+    members = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.pk}: {self.members} members"
