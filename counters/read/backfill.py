@@ -26,7 +26,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, models, router
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, models, router, transaction
 from django.utils import timezone
 
 from counters.base.registry import CounterSpec, all_specs
@@ -53,16 +53,30 @@ def is_backfilling(spec: CounterSpec, using: str = DEFAULT_DB_ALIAS) -> bool:
     return spec.name in see([spec], using)
 
 
-def see(specs: Iterable[CounterSpec], using: str = DEFAULT_DB_ALIAS) -> set[str]:
-    """Record the state of the counters never seen in ``using``; returns those backfilling."""
+def see(
+    specs: Iterable[CounterSpec], using: str = DEFAULT_DB_ALIAS, *, after_migrate: bool = False
+) -> set[str]:
+    """Record the state of the counters never seen in ``using``; returns those backfilling.
+
+    A database where no counter was ever seen (no state at all: the table was
+    emptied, by a test's flush for instance) takes the counters as exact,
+    except right after ``migrate``, which sees every counter first: it fills
+    the table as soon as it is created, so a deployment always has states.
+    """
     todo = {s.name: s for s in specs if s.source is not None and (using, s.name) not in _exact}
     if not todo:
         return set()
-    rows = CounterState.objects.using(using).filter(name__in=todo)
-    known = dict(rows.values_list("name", "backfilled_at"))
+    states = CounterState.objects.using(using)
+    try:
+        with transaction.atomic(using=using):  # a missing table must not break the caller's
+            known = dict(states.filter(name__in=todo).values_list("name", "backfilled_at"))
+            fresh = not after_migrate and len(known) < len(todo) and not states.exists()
+    except DatabaseError as exc:
+        logger.warning("counter states of %r unknown (not migrated?): %s", using, exc)
+        return set()  # as before states were kept: stored + buffered
     for name, spec in todo.items():
         if name not in known:
-            known[name] = _first_seen(spec, using)
+            known[name] = _first_seen(spec, using, fresh)
     backfilling = set()
     for name, done in known.items():
         if done is None:
@@ -72,10 +86,10 @@ def see(specs: Iterable[CounterSpec], using: str = DEFAULT_DB_ALIAS) -> set[str]
     return backfilling
 
 
-def _first_seen(spec: CounterSpec, using: str) -> Any:
+def _first_seen(spec: CounterSpec, using: str, fresh: bool) -> Any:
     """Decide and record the state of a counter never seen; returns its ``backfilled_at``."""
     now = timezone.now()
-    done = None if _uncounted_rows(spec, using) else now
+    done = None if not fresh and _uncounted_rows(spec, using) else now
     # Seen by another process meanwhile: its decision stands (get_or_create reads it).
     row, created = CounterState.objects.using(using).get_or_create(
         name=spec.name, defaults={"first_seen_at": now, "backfilled_at": done}
@@ -163,6 +177,6 @@ def seen_after_migrate(using: str = DEFAULT_DB_ALIAS, **kwargs: Any) -> None:
         and router.allow_migrate_model(using, CounterState)
     ]
     try:
-        see(specs, using)
+        see(specs, using, after_migrate=True)
     except DatabaseError as exc:  # migrated back before the state's table, or a table absent
         logger.warning("counter states of database %r not recorded: %s", using, exc)
