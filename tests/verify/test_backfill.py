@@ -16,8 +16,9 @@ import random
 from collections.abc import Iterator
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, connections
 from django.db.models import Count, Q
 
 import counters
@@ -145,8 +146,12 @@ def test_async_reads_return_the_truth_while_backfilling(old_rows):
     declare()
 
     async def read() -> dict:
-        one = await counters.aget_value(NAME, old_rows[1].pk)
-        return {"one": one, "all": await counters.aget_values(NAME, [p.pk for p in old_rows])}
+        try:
+            one = await counters.aget_value(NAME, old_rows[1].pk)
+            every = await counters.aget_values(NAME, [p.pk for p in old_rows])
+        finally:  # the thread the reads hop to closes its connections
+            await sync_to_async(connections.close_all)()
+        return {"one": one, "all": every}
 
     got = asyncio.run(read())
     assert got == {"one": truth(old_rows[1]), "all": {p.pk: truth(p) for p in old_rows}}
