@@ -63,7 +63,13 @@ def see(
     except right after ``migrate``, which sees every counter first: it fills
     the table as soon as it is created, so a deployment always has states.
     """
-    todo = {s.name: s for s in specs if s.source is not None and (using, s.name) not in _exact}
+    todo = {
+        s.name: s
+        for s in specs
+        if s.source is not None
+        and (using, s.name) not in _exact
+        and router.allow_migrate_model(using, s.model)
+    }
     if not todo:
         return set()
     states = CounterState.objects.using(using)
@@ -76,7 +82,11 @@ def see(
         return set()  # as before states were kept: stored + buffered
     for name, spec in todo.items():
         if name not in known:
-            known[name] = _first_seen(spec, using, fresh)
+            try:
+                with transaction.atomic(using=using):
+                    known[name] = _first_seen(spec, using, fresh)
+            except DatabaseError as exc:  # its tables are elsewhere: read as before
+                logger.warning("counter %s not seen in %r: %s", name, using, exc)
     backfilling = set()
     for name, done in known.items():
         if done is None:
@@ -170,13 +180,9 @@ def status(using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
 
 def seen_after_migrate(using: str = DEFAULT_DB_ALIAS, **kwargs: Any) -> None:
     """``post_migrate`` (and ``flush``): see the counters whose tables ``using`` holds."""
-    specs = [
-        s
-        for s in all_specs()
-        if router.allow_migrate_model(using, s.model)
-        and router.allow_migrate_model(using, CounterState)
-    ]
+    if not router.allow_migrate_model(using, CounterState):
+        return
     try:
-        see(specs, using, after_migrate=True)
+        see(all_specs(), using, after_migrate=True)
     except DatabaseError as exc:  # migrated back before the state's table, or a table absent
         logger.warning("counter states of database %r not recorded: %s", using, exc)
