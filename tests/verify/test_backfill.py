@@ -287,3 +287,24 @@ def test_a_database_without_any_state_takes_its_counters_as_exact(old_rows):
     backfill.forget()
     backfill.seen_after_migrate(using="default")
     assert state() == backfill.BACKFILLING
+
+
+def test_a_parallel_flush_ends_it_too(old_rows, settings):
+    from config.celery import app
+    from counters import tasks
+
+    declare()
+    settings.COUNTERS_FLUSH_PARALLELISM = 4
+    before = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    try:
+        Comment.objects.create(post=old_rows[3], approved=True)
+        assert counters.get_value(NAME, old_rows[3].pk) == 1
+        assert state() == backfill.BACKFILLING
+        tasks.flush_counters()
+    finally:
+        app.conf.task_always_eager = before
+    assert state() == backfill.EXACT
+    assert counters.get_values(NAME, [p.pk for p in old_rows]) == all_truth()
+    counters.flush()
+    assert {p.pk: stored(p) for p in old_rows} == all_truth()
