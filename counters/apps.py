@@ -11,3 +11,9 @@ class CountersConfig(AppConfig):
         from counters.signals import connect_signals  # (needs the app registry: models)
 
         connect_signals(self)
+        from django.db.models.signals import post_migrate
+
+        from counters.read.backfill import seen_after_migrate
+
+        # After migrate (and flush) every counter is seen: a new one over existing rows backfills.
+        post_migrate.connect(seen_after_migrate, sender=self, dispatch_uid="counters.backfill")

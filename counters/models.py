@@ -270,3 +270,28 @@ class RepairFence(models.Model):
 
     def __str__(self) -> str:
         return f"{self.prefix}: token {self.token}"
+
+
+class CounterState(models.Model):
+    """Whether a counter's stored values can be read: seen once per counter and database.
+
+    A counter first seen while the table it counts already holds matching rows
+    (and its ``into`` rows hold nothing yet) is *backfilling*: those rows were
+    never counted, so reads return its truth (SQL) until a full rebuild of it
+    completes (``backfilled_at``). See :mod:`counters.read.backfill`.
+    """
+
+    name = models.CharField(max_length=100, unique=True)
+    first_seen_at = models.DateTimeField(default=timezone.now)
+    backfilled_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When its stored values became exact; empty: backfilling, reads use the truth.",
+    )
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "counter state"
+
+    def __str__(self) -> str:
+        return f"{self.name}: {'exact' if self.backfilled_at else 'backfilling'}"

@@ -5,7 +5,8 @@ dispatches instead of flushing. For each database of
 ``counters.client.flushed_databases()``:
 
 1. :func:`start_run` (in the dispatching task): settles the direct writes
-   whose push may still arrive and prunes the ledger. This is work of the run
+   whose push may still arrive, sees new counters (:mod:`counters.read.backfill`)
+   and prunes the ledger. This is work of the run
    as a whole, so it runs once, before any part starts, as it runs before the
    shards in a whole flush.
 2. The dispatcher sends N ``counters.flush_shards`` tasks. Part ``i`` flushes
@@ -14,8 +15,9 @@ dispatches instead of flushing. For each database of
    then it records its result.
 3. :func:`finish_run` (in the dispatching task, once the parts are sent):
    rebuilds the keys queued by reads below zero and, while a Redis data loss
-   is unrepaired and ``COUNTERS_AUTO_REBUILD`` is on, runs the full rebuild.
-   Both already run one at a time per key prefix, under the rebuild lease.
+   is unrepaired and ``COUNTERS_AUTO_REBUILD`` is on, runs the full rebuild,
+   then that of the new counters still backfilling. All already run one at a
+   time per key prefix, under the rebuild lease.
 
 A part needs nothing from another part or from step 3. Exactly-once holds per
 shard (lease and ledger), so a part that runs late, runs twice, or overlaps a
@@ -54,6 +56,7 @@ from redis.typing import EncodableT, FieldT
 
 from counters.base import conf, metrics
 from counters.base.exceptions import BufferUnavailable, FlushFailed
+from counters.base.registry import all_specs
 from counters.base.utils import to_str
 from counters.buffer.store import Buffer
 from counters.client import get_buffer
@@ -63,6 +66,7 @@ from counters.flushing.result import FlushResult
 from counters.flushing.settle import settle_fallbacks
 from counters.flushing.shard import flush_buffer
 from counters.ops.run import LAYOUT_PENDING_MESSAGE, added_up, needed_since, repair_and_rebuild
+from counters.read import backfill
 from counters.write.durable import drain_outbox
 
 logger = logging.getLogger(__name__)
@@ -113,6 +117,7 @@ def start_run(using: str, parallelism: int) -> FlushRun:
         run.result.compensated = settle_fallbacks(buffer, using)
         drain_outbox(buffer, using)
         drain_layouts(buffer, run)
+        backfill.see(all_specs(), using)  # before a part stores anything of a new counter
         prune_ledger(buffer, using, conf.ledger_retention())
         record: dict[FieldT, EncodableT] = {
             "id": run.id,

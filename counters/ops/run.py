@@ -21,6 +21,7 @@ from redis.exceptions import OutOfMemoryError
 
 from counters.base import conf, metrics
 from counters.base.exceptions import BufferUnavailable, FlushFailed, RebuildRunning, RepairFenced
+from counters.base.registry import all_specs
 from counters.base.utils import first_line
 from counters.buffer.store import Buffer
 from counters.client import flushed_databases, get_buffer
@@ -29,8 +30,9 @@ from counters.flushing.epoch import rebuild_needed_since
 from counters.flushing.result import FlushResult
 from counters.flushing.settle import settle_fallbacks
 from counters.flushing.shard import flush_buffer
+from counters.read import backfill
 from counters.verify.hold import rebuild_lease, wait_for_audit
-from counters.verify.rebuild import rebuild_all, repair_queued
+from counters.verify.rebuild import rebuild_all, rebuild_backfilling, repair_queued
 from counters.write import sender
 from counters.write.durable import drain_outbox
 
@@ -104,6 +106,7 @@ def _flush_one(
         # Durable mode: push what dead or stuck writers left in the outbox, before the move.
         drain_outbox(buffer, using)
         layout.claim(buffer, using)
+        backfill.see(all_specs(), using)  # before this flush stores anything of a new counter
         started = timezone.now()  # after the claim: a complete run drains what it retired
         deadline = time.monotonic() + time_budget
         result = flush_buffer(
@@ -143,7 +146,8 @@ def repair_and_rebuild(
     The full rebuild runs only with ``COUNTERS_AUTO_REBUILD``, after ``show()``
     has recorded the result (a rebuild can take long). Neither runs while a
     layout change is not drained: reads miss its deltas, a repair would count
-    them twice. Sets ``repaired`` and ``rebuild_needed_since`` of ``result``.
+    them twice. Sets ``repaired`` and ``rebuild_needed_since`` of ``result``. Then, the
+    same way, the full rebuild of the counters still backfilling (new over existing rows).
     """
     result.repaired = 0 if result.layouts_pending else repair_queued(buffer, using)
     result.rebuild_needed_since = needed_since(buffer, using)
@@ -151,6 +155,9 @@ def repair_and_rebuild(
         show()
         if rebuild_after_loss(using):
             result.rebuild_needed_since = needed_since(buffer, using)
+    if conf.auto_rebuild_enabled() and not result.layouts_pending and backfill.backfilling(using):
+        show()
+        rebuild_new_counters(using)
 
 
 def flush_databases(
@@ -237,6 +244,19 @@ def needed_since(buffer: Buffer, using: str) -> str | None:
 
     since = rebuild_needed_since(buffer.prefix, using)
     return since.isoformat() if since else None
+
+
+def rebuild_new_counters(using: str) -> bool:
+    """Backfill the new counters over existing rows; False if another rebuild is running."""
+    try:
+        rebuild_backfilling(using)
+    except RebuildRunning:
+        logger.info("backfill of new counters skipped: another rebuild is running")
+        return False
+    except RepairFenced as exc:
+        logger.warning("backfill of new counters stopped: %s", exc)
+        return False
+    return True
 
 
 def rebuild_after_loss(using: str) -> bool:

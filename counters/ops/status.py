@@ -1,5 +1,6 @@
 """What the pipeline is doing now: per-shard backlog, batches in flight, leases, epochs,
-failed shards, quarantined deltas and the audit. With Redis unreachable, the DB side alone."""
+failed shards, quarantined deltas, the audit and new counters still backfilling. With Redis
+unreachable, the DB side alone."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from counters.flushing.epoch import REBUILD_COMMAND
 from counters.flushing.waits import blocked_flushes
 from counters.models import AuditCursor, AuditRepair, BufferEpoch, FlushBatch
 from counters.ops.fanout import FLUSHED_AT, last_run, run_key
+from counters.read import backfill
 from counters.verify.audit import audited_specs
 from counters.write import sender
 from counters.write.negatives import queue_key
@@ -238,6 +240,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
             "counters": quarantine.by_counter(quarantined),
         },
         "audit": audit_status(using),
+        "backfill": backfill.status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe_mode(),
         "blocked_flushes": blocked_flushes(using),
@@ -261,6 +264,7 @@ def gather_without_redis(
         "epoch": epoch,
         "layouts": layout.status(buffer, using, live=False),
         "audit": audit_status(using),
+        "backfill": backfill.status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe_mode(),
         "blocked_flushes": blocked_flushes(using),

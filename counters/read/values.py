@@ -50,6 +50,7 @@ from counters.buffer.pushids import PushId
 from counters.buffer.store import Buffer, Snapshot
 from counters.client import get_buffer
 from counters.models import FALLBACK_PREFIX, FlushBatch
+from counters.read import backfill
 from counters.write import acks, sender, transactions
 from counters.write import negatives as repair
 from counters.write.sender import Sender
@@ -76,9 +77,15 @@ def get_values(name: str, keys: Iterable[Any], *, using: str = DEFAULT_DB_ALIAS)
     Redis is down are written to the rows directly, so they are the best answer
     there is, and a page must not fail because of the buffer. A counter
     registered ``non_negative`` never reads below 0 (see :mod:`counters.write.negatives`).
+
+    A counter still backfilling (new over existing rows, :mod:`counters.read.backfill`)
+    reads its truth instead: its stored values do not count the older rows yet.
     """
+    spec = get_spec(name)
+    if backfill.is_backfilling(spec, using):
+        return backfill.truth_values(spec, keys, using)
     values = _exact_values(name, keys, using)
-    return repair.clamp(get_spec(name), values, lambda: get_buffer(using))
+    return repair.clamp(spec, values, lambda: get_buffer(using))
 
 
 def _exact_values(name: str, keys: Iterable[Any], using: str) -> dict[Any, int]:

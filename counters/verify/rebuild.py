@@ -37,6 +37,7 @@ from counters.client import get_buffer
 from counters.flushing import layout
 from counters.flushing.epoch import clear_rebuild_needed
 from counters.flushing.fence import Fence, fenced, take
+from counters.read import backfill
 from counters.verify.drift import (
     Drift,
     confirm_drifts,
@@ -145,6 +146,8 @@ def rebuild(
             progress(report.checked, max(total, report.checked))
     report.seconds = time.monotonic() - started
     metrics.drift(name, len(report.wrong), report.repaired, using=using)
+    if keys is None and not dry_run and not report.unstable:
+        backfill.mark_done(name, using)  # every key checked: a new counter is exact now
     return report
 
 
@@ -241,4 +244,40 @@ def rebuild_all(
         logger.warning(
             "full rebuild complete: the Redis data loss of prefix %r is repaired", buffer.prefix
         )
+    return reports
+
+
+def rebuild_backfilling(using: str = DEFAULT_DB_ALIAS) -> list[RebuildReport]:
+    """The full rebuild of each counter still backfilling (:mod:`counters.read.backfill`).
+
+    Each one that completes with no key left unstable is exact from then on.
+    Runs under the rebuild lease like :func:`rebuild_all`: raises
+    :class:`RebuildRunning` while another rebuild or repair holds it, and
+    :class:`RepairFenced` if this one outlived it.
+    """
+    names = backfill.backfilling(using)
+    if not names:
+        return []
+    buffer = get_buffer(using)
+    try:
+        with rebuild_lease(buffer, using) as lease:
+            if not lease.held and not wait_for_audit(buffer, lease):
+                raise RebuildRunning(lease.key)
+
+            def page_done(done: int, total: int) -> None:
+                if not lease.extend():
+                    logger.warning("the rebuild lease %s expired during a backfill", lease.key)
+
+            reports = []
+            for name in names:
+                report = rebuild(
+                    name,
+                    progress=page_done,
+                    using=using,
+                    fence=lease.fence,
+                )
+                logger.warning("backfill of new counter %s: %s", name, report.summary())
+                reports.append(report)
+    except RedisError as exc:
+        raise BufferUnavailable(conf.redis_where(), exc) from exc
     return reports

@@ -79,6 +79,7 @@ class Command(OneLineFailures):
         lines.append(self.write_path_line(status["write_path"]))
         lines += self.layout_lines(status["layouts"])
         lines += self.rebuild_lines(epoch)
+        lines += self.backfill_lines(status["backfill"])
         last = status["last_flush"]
         if last is None:
             lines.append("last flush: never")
@@ -130,6 +131,7 @@ class Command(OneLineFailures):
         ]
         lines += self.layout_lines(status["layouts"])
         lines += self.rebuild_lines(epoch)
+        lines += self.backfill_lines(status["backfill"])
         lines += self.blocked_lines(status["blocked_flushes"])
         lines.append(self.ledger_line(status["ledger"]))
         lines.append(f"unsettled direct writes: {status['ledger']['unsettled_fallbacks']}")
@@ -203,6 +205,16 @@ class Command(OneLineFailures):
         return [
             f"REBUILD NEEDED since {since}: Redis lost buffered deltas, so some counts are "
             f"wrong until a full rebuild completes: run `{epoch['rebuild_command']}`"
+        ]
+
+    @staticmethod
+    def backfill_lines(backfill: dict) -> list[str]:
+        """One line per new counter over existing rows whose first full rebuild is not done."""
+        return [
+            f"BACKFILLING {name} (new over existing rows, seen "
+            f"{_fmt(backfill['counters'][name]['first_seen_at'])}): reads return its truth "
+            "(SQL) until a full rebuild of it completes; the flush starts one"
+            for name in backfill["backfilling"]
         ]
 
     @staticmethod
