@@ -72,7 +72,11 @@ class PartitionProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:  # Redis stopped at teardown, as this client came in
+                client.close()
+                continue
             self.sockets += [client, upstream]
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
