@@ -4,6 +4,7 @@ the committed transaction applied; nothing for a rollback; a raising receiver ha
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -217,3 +218,55 @@ def test_a_raising_receiver_breaks_nothing(make_user, raising, received, caplog,
         restore_redis(settings, saved)
     assert stored(users[0]) == truth(users[0])
     assert received[-1]["deltas"] == {users[0].pk: 1}
+
+
+@pytest.mark.parametrize("seed", [3, 17])
+def test_a_random_mix_of_paths_flushes_and_direct_writes_is_told_exactly(
+    seed, settings, make_user, received
+):
+    """Every step is a counted path, a flush, or a direct write (Redis cut);
+    after each flush the sum of every delta sent so far is the stored rows' change from the
+    start, and the stored rows are the SQL truth."""
+    rng = random.Random(seed)
+    users = [make_user() for _ in range(5)]
+    counters.flush()
+    start = rows()
+    told: dict[Any, int] = {}
+
+    def write() -> None:
+        user = rng.choice(users)
+        mine = Notification.objects.filter(recipient=user)
+        step = rng.randrange(5)
+        if step == 0:
+            Notification.objects.create(recipient=user, verb="v")
+        elif step == 1:
+            Notification.objects.notify(rng.sample(users, 2), verb="w")
+        elif step == 2:
+            mine.filter(pk__in=list(mine.values_list("pk", flat=True)[:2])).mark_all_read()
+        elif step == 3:
+            mine.filter(pk__in=list(mine.values_list("pk", flat=True)[:1])).delete()
+        else:
+            with transaction.atomic():
+                Notification.objects.create(recipient=user, verb="x")
+                mine.mark_all_read()
+
+    for _ in range(12):
+        received.clear()
+        for _ in range(rng.randrange(1, 6)):
+            if rng.random() < 0.2:
+                saved = cut_redis(settings)
+                try:
+                    write()
+                finally:
+                    restore_redis(settings, saved)
+            else:
+                write()
+        counters.flush()
+        for call in received:  # direct writes' sends, then the flush's (a key once per batch)
+            assert call["counter"] == "unread" and all(call["deltas"].values())
+            for key, delta in call["deltas"].items():
+                told[key] = told.get(key, 0) + delta
+        told = {k: d for k, d in told.items() if d}
+        after = rows()
+        assert {u.pk: after.get(u.pk, 0) for u in users} == {u.pk: truth(u) for u in users}
+        assert told == {k: d for k, d in changed(start, after).items() if d}
