@@ -47,9 +47,17 @@ def current_row(buffer: Buffer, using: str) -> BufferLayout:
 
 def claim(buffer: Buffer, using: str) -> BufferLayout:
     """A flush under ``buffer`` starts: retire every other layout, unless ``buffer``'s own
-    is retired (then this flush is a drain of it). Returns ``buffer``'s row."""
+    is retired and stays so (then this flush is a drain of it). Returns ``buffer``'s row.
+
+    A retired layout is taken back into use (:func:`takes_back`) when its flush
+    can reach every layout in use: a deploy that goes back to earlier settings.
+    """
 
     row = current_row(buffer, using)
+    if row.retired_at is not None and takes_back(buffer, row, using):
+        BufferLayout.objects.using(using).filter(pk=row.pk).update(retired_at=None)
+        row.retired_at = None
+        logger.warning("buffer layout %s is flushed again: in use again", row)
     if row.retired_at is None:
         retired = (
             BufferLayout.objects.using(using)
@@ -64,6 +72,25 @@ def claim(buffer: Buffer, using: str) -> BufferLayout:
                 retired,
             )
     return row
+
+
+def in_use(row: BufferLayout | None, using: str) -> list[BufferLayout]:
+    """The layouts of DB ``using`` besides ``row`` that are not retired."""
+    rows = BufferLayout.objects.using(using).filter(retired_at__isnull=True)
+    return list(rows.exclude(pk=row.pk) if row is not None else rows)
+
+
+def takes_back(buffer: Buffer, row: BufferLayout, using: str) -> bool:
+    """Does a flush under ``buffer`` (``row``, retired) take its layout back into use?
+
+    Yes when it can reach every layout in use, so that it drains them: the
+    process runs settings taken back. No when one is on the other kind of
+    Redis: it is the flush run with the old settings to drain ``row`` alone.
+    During a rolling deploy on one Redis, flushers of the old and the new
+    settings take the layout from each other, each draining the other's
+    shards, until the old ones stop; every delta is applied once all the same.
+    """
+    return all(reachable(buffer, other) for other in in_use(row, using))
 
 
 def others(buffer: Buffer, row: BufferLayout, using: str) -> list[BufferLayout]:
@@ -126,8 +153,9 @@ def pending(buffer: Buffer, using: str, *, live: bool = True) -> list[str]:
     For a flush under the layout in use: every other layout not yet retired
     (writers may still use it), not yet drained, or (when reachable) whose
     exclusive shards hold something again. For a drain of a retired layout:
-    that layout, until it is drained. ``live=False`` asks the DB only (Redis
-    cannot be reached).
+    that layout, until it is drained, and the layouts in use that it can
+    reach (its next flush takes it back and drains them). ``live=False`` asks
+    the DB only (Redis cannot be reached).
     """
 
     rows = BufferLayout.objects.using(using)
@@ -135,7 +163,9 @@ def pending(buffer: Buffer, using: str, *, live: bool = True) -> list[str]:
         prefix=buffer.prefix, shards=buffer.shards, cluster=is_cluster(buffer)
     ).first()
     if row is not None and row.retired_at is not None:
-        return [] if is_drained(row) else [str(row)]
+        # Reads under it miss what the layouts in use hold too, when it could drain them.
+        taken = [str(o) for o in in_use(row, using) if reachable(buffer, o)]
+        return taken if is_drained(row) else [str(row), *taken]
     waiting = []
     for other in rows.exclude(pk=row.pk) if row is not None else rows:
         left = (

@@ -28,8 +28,10 @@ from counters.models import BufferEpoch, BufferLayout, describe_layout
 
 logger = logging.getLogger(__name__)
 
-#: (database alias, prefix, shards, cluster) of the layouts this process has recorded.
-_recorded: set[tuple[str, str, int, bool]] = set()
+#: Database alias -> (prefix, shards, cluster) of the layout this process recorded last there.
+#: A process whose settings change records the new layout, and records an earlier one again
+#: when it goes back to it: that layout may have been retired in between.
+_recorded: dict[str, tuple[str, int, bool]] = {}
 _lock = threading.Lock()
 
 
@@ -44,28 +46,28 @@ def ensure_token(buffer: Buffer, shard: int) -> str:
 
 
 def ensure_recorded(buffer: Buffer, using: str) -> None:
-    """Record ``buffer``'s layout and shard epochs in DB ``using``, once per process.
+    """Record ``buffer``'s layout and shard epochs in DB ``using``, once per process and layout.
 
     Call before pushing to ``buffer``. Never raises (it runs after COMMIT): a
     failure is logged and the next push tries again (a Redis that cannot be
     reached fails the push too, which then goes to the DB directly).
     """
-    key = (using, buffer.prefix, buffer.shards, is_cluster(buffer))
-    if key in _recorded:
+    key = (buffer.prefix, buffer.shards, is_cluster(buffer))
+    if _recorded.get(using) == key:
         return
     with _lock:
-        if key in _recorded:
+        if _recorded.get(using) == key:
             return
         try:
             record_layout(buffer, using)
         except Exception as exc:  # after COMMIT: the push goes on whatever this meets
             logger.warning(
                 "could not record the buffer layout (%s) before pushing: %s",
-                describe_layout(*key[1:]),
+                describe_layout(*key),
                 exc,
             )
             return
-        _recorded.add(key)
+        _recorded[using] = key
 
 
 def record_layout(buffer: Buffer, using: str) -> BufferLayout:
