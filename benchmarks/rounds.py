@@ -25,6 +25,10 @@ RATIOS = (
     ("waited", "off"),
     ("waited", "tally"),
     ("tally", "waited"),
+    ("floor", "off"),
+    ("floor", "tally"),
+    ("floor", "trigger"),
+    ("tally", "floor"),
 )
 
 

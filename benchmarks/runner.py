@@ -31,7 +31,14 @@ from .config import BenchConfig
 from .errors import BenchError
 from .internals import Buffer, RedisClient, conf
 from .probes import BackendCpu, CostProbe, RedisProbe
-from .writers import MODES, WriterPool
+from .writers import (
+    MODES,
+    WriterPool,
+    batched_scan,
+    drop_floor_keys,
+    floor_address,
+    floor_prefix,
+)
 
 
 def pending_total(buffer: Buffer) -> int:
@@ -96,7 +103,14 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
             progress(f"writes: dropped trigger {name}, left by a bench killed during its run")
     else:
         progress(f"writes: {skipped}")
-    modes = tuple(m for m in MODES if m != "trigger" or counter_trigger is not None)
+    floor = floor_address(buffer.client) is not None
+    modes = tuple(
+        m
+        for m in MODES
+        if (m != "trigger" or counter_trigger is not None) and (m != "floor" or floor)
+    )
+    if not floor:
+        progress("writes: no floor mode: it needs plain Redis over TCP")
     redis = RedisProbe(buffer.client)
     by_count: dict[str, dict] = {}
     ops = dict.fromkeys(MODES, 0)
@@ -109,7 +123,20 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
     result = dict(by_count[str(max(config.writer_counts()))])
     result["by_processes"] = by_count
     _checks(result, buffer, ops, counter_trigger, skipped)
+    if floor:
+        _floor_check(result, buffer, ops["floor"])
     return result
+
+
+def _floor_check(result: dict, buffer: Buffer, ops: int) -> None:
+    """Every insert of the floor mode sent its command: their keys add up to its inserts."""
+    keys = [
+        k for batch in batched_scan(buffer.client, f"{floor_prefix(buffer.prefix)}*") for k in batch
+    ]
+    sent = sum(int(v or 0) for v in buffer.client.mget(keys)) if keys else 0
+    result["floor_ops"] = ops
+    result["floor_sent_match"] = sent == ops
+    drop_floor_keys(buffer.client, buffer.prefix)
 
 
 def _checks(

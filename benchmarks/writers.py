@@ -1,4 +1,4 @@
-"""Writer processes: notification inserts under seven counter strategies, timed in parallel.
+"""Writer processes: notification inserts under eight counter strategies, timed in parallel.
 
 Modes:
 
@@ -15,7 +15,11 @@ Modes:
   (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5 ms by default): a COMMIT queues its
   delta, a thread pushes the queue in one round trip;
 - ``waited``: ``tally`` with ``COUNTERS_DEFER_ACKS`` off, the write path before
-  deferred acknowledgements: the committing thread reads each push's reply.
+  deferred acknowledgements: the committing thread reads each push's reply;
+- ``floor``: the least a buffered counter with Tally's guarantees can do: the
+  insert of ``off``, then one pre-encoded ``INCR`` sent to Redis on a socket of
+  its own after the COMMIT, its replies read 50 at a time (:class:`Floor`). No
+  Python of Tally's and no Lua: what it adds to ``off`` is the send alone.
 
 Each writer is a spawned process with its own database connection and Redis
 client, set up once and then driven over a pipe: every run starts at the same
@@ -31,16 +35,18 @@ import contextlib
 import math
 import multiprocessing
 import random
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from typing import Any
 
 from .child import ChildContext
 from .config import SENDER_DELAY_MS
 from .errors import BenchError
 
-MODES = ("off", "naive", "trigger", "tally", "durable", "sender", "waited")
+MODES = ("off", "naive", "trigger", "tally", "durable", "sender", "waited", "floor")
 #: The value of COUNTERS_DURABLE each mode runs with (the others do not count through Tally).
 DURABLE = {"tally": False, "durable": True}
 #: Modes that wait for each push's reply after the COMMIT (``COUNTERS_DEFER_ACKS`` off).
@@ -111,6 +117,84 @@ class Totals:
     cpu_s: float
 
 
+class Floor:
+    """The ``floor`` mode: ``insert(uid)``, then ``INCR <key>:<uid>`` written to Redis's
+    socket, its reply read later with the others (every :data:`WINDOW` commands and by
+    :meth:`read_replies`). Plain Redis over TCP only (host and port of the buffer's client).
+    """
+
+    #: Replies read at once.
+    WINDOW = 50
+
+    def __init__(self, insert: Callable[[int], None]) -> None:
+        self.insert = insert
+        self.sock: socket.socket | None = None
+        self.key = ""
+        self.unread = 0
+
+    def connect(self) -> socket.socket:
+        from counters.client import get_buffer
+
+        buffer = get_buffer()
+        address = floor_address(buffer.client)
+        if address is None:
+            raise BenchError("the floor mode needs plain Redis over TCP (host and port)")
+        sock = socket.create_connection(address)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.key = sock, floor_prefix(buffer.prefix)
+        return sock
+
+    def __call__(self, uid: int) -> None:
+        self.insert(uid)
+        sock = self.sock or self.connect()
+        key = f"{self.key}{uid}".encode()
+        sock.sendall(b"*2\r\n$4\r\nINCR\r\n$%d\r\n%s\r\n" % (len(key), key))
+        self.unread += 1
+        if self.unread >= self.WINDOW:
+            self.read_replies()
+
+    def read_replies(self) -> None:
+        """Read the reply of every command sent (one line each: ``:<n>``)."""
+        seen = 0
+        while seen < self.unread and self.sock is not None:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise BenchError("Redis closed the floor mode's connection")
+            seen += chunk.count(b"\n")
+        self.unread = 0
+
+
+def floor_address(client: Any) -> tuple[str, int] | None:
+    """(host, port) of a plain Redis client over TCP; None for a cluster, Sentinel or socket."""
+    pool = getattr(client, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", {})
+    if "host" not in kwargs or "sentinel" in type(pool).__name__.lower():
+        return None
+    return str(kwargs["host"]), int(kwargs.get("port", 6379))
+
+
+def floor_prefix(buffer_prefix: str) -> str:
+    """Keys of the ``floor`` mode: ``<prefix>:floor:<uid>``, under the bench's key prefix."""
+    return f"{buffer_prefix}:floor:"
+
+
+def drop_floor_keys(client: Any, buffer_prefix: str) -> None:
+    """Delete the keys the ``floor`` mode incremented."""
+    for keys in batched_scan(client, f"{floor_prefix(buffer_prefix)}*"):
+        client.delete(*keys)
+
+
+def batched_scan(client: Any, pattern: str, size: int = 500) -> Iterator[list]:
+    batch: list = []
+    for key in client.scan_iter(match=pattern, count=size):
+        batch.append(key)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def operations() -> dict[str, Callable[[int], None]]:
     """One insert per mode for recipient id ``uid``. Django must be set up."""
     from django.db import transaction
@@ -133,6 +217,7 @@ def operations() -> dict[str, Callable[[int], None]]:
 
     # trigger: the insert of off; the trigger the bench installs for the run counts it
     return {
+        "floor": Floor(off),
         "off": off,
         "naive": naive,
         "trigger": off,
@@ -196,6 +281,7 @@ def writer_main(
             cpu = time.process_time()
             done = perform(run, ops[run.mode], pickers[run.workload])
             counters.push_queued()  # the queue's tail, before the next run
+            ops["floor"].read_replies()  # type: ignore[attr-defined]
             done = replace(done, cpu_s=time.process_time() - cpu)
             conn.send(("done", done))
         except Exception as exc:

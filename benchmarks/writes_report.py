@@ -4,9 +4,9 @@ from __future__ import annotations
 
 WORKLOADS = ("spread", "hot")
 #: Write modes beside off / naive / trigger / tally, each shown as its ratio to off and to tally.
-EXTRA_MODES = ("durable", "sender", "waited")
+EXTRA_MODES = ("durable", "sender", "waited", "floor")
 #: Columns of the cost table, in the order of ``benchmarks.writers.MODES``.
-COST_MODES = ("off", "naive", "trigger", "tally", "durable", "sender", "waited")
+COST_MODES = ("off", "naive", "trigger", "tally", "durable", "sender", "waited", "floor")
 COSTS = (
     ("writer CPU µs", "writer_cpu_us"),
     ("backend CPU µs", "backend_cpu_us"),
@@ -34,6 +34,7 @@ def writes_table(w: dict, cfg: dict) -> list[str]:
     by_count = w.get("by_processes") or {str(cfg["processes"]): w}
     lines = _rates(w, cfg, by_count)
     lines += _extra(w, by_count)
+    lines += _floor(by_count)
     lines += _costs(by_count)
     if "trigger_skipped" in w:
         lines += ["", f"note: {w['trigger_skipped']}"]
@@ -112,6 +113,27 @@ def _extra(w: dict, by_count: dict) -> list[str]:
                     f"  {r.get(f'{mode}_p50_ms', 0):>6.2f}/{r.get(f'{mode}_p99_ms', 0):<6.2f}"
                     f"{server}"
                 )
+    return lines
+
+
+def _floor(by_count: dict) -> list[str]:
+    """What no buffered counter can go below (the ``floor`` mode), beside tally and the trigger."""
+    if "floor_ops_per_s" not in next(iter(by_count.values()))["hot"]:
+        return []
+    lines = [
+        "",
+        "floor: the insert and one command sent to Redis after the COMMIT, nothing else:",
+        f"{'procs':<6}{'workload':<9}{'floor/off':>10}{'floor/trigger':>14}{'tally/floor':>12}",
+    ]
+    for count, result in by_count.items():
+        for name in WORKLOADS:
+            r = result[name]
+            lines.append(
+                f"{count:<6}{name:<9}"
+                + _get(r, "floor_off", 10, 2)
+                + _get(r, "floor_trigger", 14, 2)
+                + _get(r, "tally_floor", 12, 2)
+            )
     return lines
 
 

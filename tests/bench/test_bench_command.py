@@ -28,13 +28,13 @@ POSTGRES = connection.vendor == "postgresql"
 #: The write modes of a run on this database (the trigger needs PostgreSQL).
 MODES = (
     *("off", "naive", *(("trigger",) if POSTGRES else ())),
-    *("tally", "durable", "sender", "waited"),
+    *("tally", "durable", "sender", "waited", "floor"),
 )
 #: Ratios of a run: those of the trigger on PostgreSQL only.
 RATIOS = (
     *("tally_off", "tally_naive", "durable_off", "durable_tally", "sender_off", "sender_tally"),
-    *("waited_off", "waited_tally", "tally_waited"),
-    *(("trigger_off", "tally_trigger") if POSTGRES else ()),
+    *("waited_off", "waited_tally", "tally_waited", "floor_off", "floor_tally", "tally_floor"),
+    *(("trigger_off", "tally_trigger", "floor_trigger") if POSTGRES else ()),
 )
 #: Per-insert costs measured only on PostgreSQL (backend CPU: when the server is local).
 SERVER_COSTS = ("backend_cpu_us", "wal_bytes")
@@ -125,6 +125,9 @@ def test_quick_json_checks_and_targets(quick_run):
     assert quick_run["reads"]["exact"] is True
     assert quick_run["async"]["exact"] is True
     assert quick_run["writes"]["tally_deltas_match"] is True
+    # every insert of the floor mode sent its INCR: their keys add up to its inserts
+    assert quick_run["writes"]["floor_ops"] > 0
+    assert quick_run["writes"]["floor_sent_match"] is True
     assert quick_run["writes"]["durable_ops"] > 0
     assert quick_run["writes"]["outbox_rows_left"] == 0  # each durable write deleted its row
     assert isinstance(dig(quick_run, ("memory", "growth_mb")), numbers.Real)
