@@ -278,27 +278,30 @@ class CeleryFlusher:
 
 
 class Writers:
-    """Writer processes (``python -m tests.chaos.writer``) of one trial."""
+    """Writer processes (``python -m <module>``, by default ``tests.chaos.writer``) of one trial."""
 
-    def __init__(self, cwd: Path, env: dict[str, str], logdir: Path) -> None:
+    def __init__(
+        self, cwd: Path, env: dict[str, str], logdir: Path, module: str = "tests.chaos.writer"
+    ) -> None:
         self.cwd = cwd
         self.env = env
         self.logdir = logdir
+        self.module = module
         self.procs: list[subprocess.Popen] = []
 
     def start(
-        self, count: int, seconds: float, users: list[int], hot: int, seed: int, pause: float
+        self, count: int, seconds: float, seed: int, pause: float, args: Sequence[str]
     ) -> None:
+        """Start ``count`` writers, each with its own seed, ``args`` naming what they write to."""
         for i in range(count):
             with (self.logdir / f"writer-{i}.log").open("a") as log:
                 argv = [
                     sys.executable,
                     "-m",
-                    "tests.chaos.writer",
+                    self.module,
                     f"--seconds={seconds}",
                     f"--seed={seed * 100 + i}",
-                    f"--users={','.join(map(str, users))}",
-                    f"--hot={hot}",
+                    *args,
                     f"--pause={pause}",
                     f"--name=writer-{i}",
                 ]
