@@ -48,9 +48,18 @@ class Config:
     def soak(cls, minutes: float) -> Config:
         return cls(minutes=minutes, trials=3, trial_seconds=40, restart_every=3)
 
+    @classmethod
+    def related(cls, minutes: float = 0) -> Config:
+        """The related-key run: one trial of 24 s (quick) or trials of 40 s (soak), no Redis
+        restart."""
+        if minutes:
+            return cls(minutes=minutes, trials=1, trial_seconds=40, restart_every=0)
+        return cls(minutes=0, trials=1, trial_seconds=24, restart_every=0, extra_trials=2)
+
     def restarts_redis(self, trial: int) -> bool:
-        """Trial numbers start at 1; the first trial never restarts Redis."""
-        return trial > 1 and trial % self.restart_every == 0
+        """Trial numbers start at 1; the first trial never restarts Redis, nor does any
+        when ``restart_every`` is 0."""
+        return self.restart_every > 0 and trial > 1 and trial % self.restart_every == 0
 
     def more_trials(self, done: int, elapsed: float, missing: Sequence[str] = ()) -> bool:
         """Whether to run another trial after ``done`` of them.
