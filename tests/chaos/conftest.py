@@ -91,23 +91,33 @@ def chaos_settings(settings, chaos_redis, chaos_config, counters_prefix) -> dict
     return values
 
 
+@pytest.fixture
+def chaos_settings_module() -> str:
+    """The settings of every subprocess: writers and flushers must know the same counters.
+
+    A test module whose writers change counters declared elsewhere (the test
+    blog's, in ``tests.settings``) overrides this fixture.
+    """
+    return "config.settings"
+
+
+@pytest.fixture
+def subprocess_values(chaos_settings, chaos_settings_module) -> dict[str, str]:
+    return {**chaos_settings, "DJANGO_SETTINGS_MODULE": chaos_settings_module}
+
+
 def subprocess_env(values: dict[str, str], application_name: str, **extra: str) -> dict[str, str]:
-    return project_env(
-        application_name=application_name,
-        DJANGO_SETTINGS_MODULE="config.settings",
-        **values,
-        **extra,
-    )
+    return project_env(application_name=application_name, **values, **extra)
 
 
 @pytest.fixture
-def writer_env(chaos_settings) -> dict[str, str]:
-    return subprocess_env(chaos_settings, "tally-writer")
+def writer_env(subprocess_values) -> dict[str, str]:
+    return subprocess_env(subprocess_values, "tally-writer")
 
 
 @pytest.fixture
-def command_flusher(chaos_settings, tmp_path) -> Iterator[CommandFlusher]:
-    env = subprocess_env(chaos_settings, CommandFlusher.APP)
+def command_flusher(subprocess_values, tmp_path) -> Iterator[CommandFlusher]:
+    env = subprocess_env(subprocess_values, CommandFlusher.APP)
     flusher = CommandFlusher([sys.executable, "manage.py"], ROOT, env, tmp_path)
     try:
         yield flusher
@@ -116,12 +126,12 @@ def command_flusher(chaos_settings, tmp_path) -> Iterator[CommandFlusher]:
 
 
 @pytest.fixture
-def celery_flusher(chaos_settings, broker_redis, tmp_path) -> Iterator[CeleryFlusher]:
+def celery_flusher(subprocess_values, broker_redis, tmp_path) -> Iterator[CeleryFlusher]:
     """A Celery worker (killed and restarted by the chaos); a beat sends the flush every 1 s."""
     from counters.ops.schedule import ensure_periodic_task
 
     ensure_periodic_task(interval=1)
-    env = subprocess_env(chaos_settings, CeleryFlusher.APP, CELERY_BROKER_URL=broker_redis.url)
+    env = subprocess_env(subprocess_values, CeleryFlusher.APP, CELERY_BROKER_URL=broker_redis.url)
     beat_env = dict(env, DATABASE_URL=env["DATABASE_URL"].replace(CeleryFlusher.APP, "tally-beat"))
     celery = CeleryFlusher(ROOT, env, beat_env, tmp_path)
     try:

@@ -48,9 +48,18 @@ class Config:
     def soak(cls, minutes: float) -> Config:
         return cls(minutes=minutes, trials=3, trial_seconds=40, restart_every=3)
 
+    @classmethod
+    def related(cls, minutes: float = 0) -> Config:
+        """The related-key run: one trial of 24 s (quick) or trials of 40 s (soak), no Redis
+        restart."""
+        if minutes:
+            return cls(minutes=minutes, trials=1, trial_seconds=40, restart_every=0)
+        return cls(minutes=0, trials=1, trial_seconds=24, restart_every=0, extra_trials=2)
+
     def restarts_redis(self, trial: int) -> bool:
-        """Trial numbers start at 1; the first trial never restarts Redis."""
-        return trial > 1 and trial % self.restart_every == 0
+        """Trial numbers start at 1; the first trial never restarts Redis, nor does any
+        when ``restart_every`` is 0."""
+        return self.restart_every > 0 and trial > 1 and trial % self.restart_every == 0
 
     def more_trials(self, done: int, elapsed: float, missing: Sequence[str] = ()) -> bool:
         """Whether to run another trial after ``done`` of them.
@@ -278,27 +287,30 @@ class CeleryFlusher:
 
 
 class Writers:
-    """Writer processes (``python -m tests.chaos.writer``) of one trial."""
+    """Writer processes (``python -m <module>``, by default ``tests.chaos.writer``) of one trial."""
 
-    def __init__(self, cwd: Path, env: dict[str, str], logdir: Path) -> None:
+    def __init__(
+        self, cwd: Path, env: dict[str, str], logdir: Path, module: str = "tests.chaos.writer"
+    ) -> None:
         self.cwd = cwd
         self.env = env
         self.logdir = logdir
+        self.module = module
         self.procs: list[subprocess.Popen] = []
 
     def start(
-        self, count: int, seconds: float, users: list[int], hot: int, seed: int, pause: float
+        self, count: int, seconds: float, seed: int, pause: float, args: Sequence[str]
     ) -> None:
+        """Start ``count`` writers, each with its own seed, ``args`` naming what they write to."""
         for i in range(count):
             with (self.logdir / f"writer-{i}.log").open("a") as log:
                 argv = [
                     sys.executable,
                     "-m",
-                    "tests.chaos.writer",
+                    self.module,
                     f"--seconds={seconds}",
                     f"--seed={seed * 100 + i}",
-                    f"--users={','.join(map(str, users))}",
-                    f"--hot={hot}",
+                    *args,
                     f"--pause={pause}",
                     f"--name=writer-{i}",
                 ]

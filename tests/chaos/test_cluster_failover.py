@@ -33,7 +33,8 @@ from counters.base.exceptions import FlushFailed
 from counters.models import BufferEpoch, FlushBatch
 from tests.chaos.conftest import subprocess_env
 from tests.chaos.harness import CommandFlusher, Writers
-from tests.chaos.test_chaos import drift, epoch_losses, make_users, size
+from tests.chaos.test_chaos import drift, make_users, unread_writer_args
+from tests.chaos.trials import epoch_losses, size
 from tests.redis_cluster import RedisCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +106,13 @@ def test_a_master_failover_under_load_fails_no_writer_and_a_rebuild_ends_exact(
     writers = Writers(ROOT, subprocess_env(values, "tally-writer"), tmp_path)
     try:
         flusher.start()
-        writers.start(WRITERS, SECONDS, others, hot, seed=int(time.time()), pause=0.003)
+        writers.start(
+            WRITERS,
+            SECONDS,
+            seed=int(time.time()),
+            pause=0.003,
+            args=unread_writer_args(others, hot),
+        )
         time.sleep(KILL_AFTER)
         fallback_before = fallback.count()
         started = time.monotonic()
