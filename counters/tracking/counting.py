@@ -37,14 +37,8 @@ from django.dispatch import Signal
 
 from counters.base.context import already_counted, is_paused
 from counters.base.utils import concrete_model, target_field
-from counters.tracking.rows import (
-    Row,
-    instance_row,
-    locked_rows,
-    plain,
-    read_rows,
-    with_related,
-)
+from counters.tracking.follow import with_related
+from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
 from counters.tracking.trackers import touches, tracked_attnames, trackers_for
 from counters.tracking.where import is_expression
 from counters.write.add import add_members

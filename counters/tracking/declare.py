@@ -56,7 +56,7 @@ CHECK_IDS = {
     "counters.E053": "a counter column that already holds another counter",
     "counters.E054": "a key whose values are not values of the into model's key field",
     "counters.E055": "a composite key whose parts cannot be read or stored",
-    "counters.E056": "a related key or where through an uncounted model, or two relations",
+    "counters.E056": "a related key or where through an uncounted model, two relations or a cycle",
     "counters.E057": "a many-to-many through model whose rows Django writes uncounted",
 }
 
@@ -72,11 +72,12 @@ def track(
 ) -> Tracker:
     """Count the rows of ``model`` per ``key`` into ``into`` (``"app_label.Model.field"``).
 
-    ``key`` is a field, a related path (``"post__author"``: one forward foreign
-    key or one-to-one, then a column of its model, whose default manager must be
-    counted), or a tuple of field paths (a composite key, see
-    :mod:`counters.tracking.keys`). ``where`` (a ``Q`` on the model's own fields,
-    or on related paths like ``post__published``) picks the rows that count;
+    ``key`` is a field, a related path (``"post__author"``,
+    ``"post__blog__owner"``: forward foreign keys or one-to-ones, then a column
+    of the model they reach; every model in the middle must be counted), or a
+    tuple of field paths (a composite key, see :mod:`counters.tracking.keys`).
+    ``where`` (a ``Q`` on the model's own fields, or on related paths like
+    ``post__published`` along the same relations) picks the rows that count;
     ``amount`` (an integer field) is added instead of 1. A counter without
     ``amount`` is a count of rows and never reads below zero. Call it from
     an ``AppConfig.ready()`` (earlier, :class:`TrackedTooEarly` is raised);

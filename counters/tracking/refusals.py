@@ -13,11 +13,12 @@ before anything is registered, and the ``counters`` system check
   :mod:`counters.tracking.routes`) with an uncounted base manager, or an
   uncounted default manager (:func:`route_refusal`).
 
-- ``counters.E056``: a related key or where (``"post__author"``) through a
-  model whose default or base manager is not counted (a change of its rows
-  moves the counts of the rows below them), with multi-table relatives, or
-  leading back to the source model; or paths through two relations of the
-  source (:func:`uncounted_middle`).
+- ``counters.E056``: a related key or where (``"post__author"``,
+  ``"post__blog__owner"``) through a model whose default or base manager is
+  not counted (a change of its rows moves the counts of the rows below
+  them), with multi-table relatives, through one model twice, or leading
+  back to the source model; or paths through two relations of one model
+  (:func:`uncounted_middle`).
 
 - ``counters.E050``: the flush creates missing counter rows with the key, the
   value and the other columns' defaults; a NOT NULL column with no default
@@ -44,8 +45,9 @@ from django.db import models
 from django.db.models.fields import AutoFieldMixin
 
 from counters.base import registry
-from counters.base.utils import model_field, stamped, target_field
+from counters.base.utils import concrete_model, model_field, stamped, target_field
 from counters.tracking.keys import CompositeTracker
+from counters.tracking.paths import Chain, parting
 from counters.tracking.queryset import CountedQuerySet
 from counters.tracking.relatives import sharers
 from counters.tracking.trackers import tracked_models
@@ -214,41 +216,68 @@ def uncounted_manager(model: type[models.Model]) -> str | None:
 def uncounted_middle(source: type[models.Model], hops: Iterable[Hop]) -> str | None:
     """E056: a related path through a model whose changes are not all counted.
 
-    Paths through two relations of the source (``post__author`` and
-    ``category__visible``) are refused too: two transactions changing a post
-    and a category of the same row would each move it with the other's old
-    value.
+    Every model in the middle of a path (the post and the blog of
+    ``post__blog__owner``; not the owner's model at its end) must be counted.
+    Paths that part ways (``post__author`` and ``category__visible``, or
+    ``post__blog__owner`` and ``post__editor__active``) are refused too: two
+    transactions changing a post and a category of the same row would each
+    move it with the other's old value. So is a path through one model twice
+    (a cycle), or back to the source.
     """
     hops = list(hops)
-    links = sorted({hop.link.name for hop in hops})
-    if len(links) > 1:
+    if not hops:
+        return None
+    parted = parting(hops)
+    if parted is not None:
         return (
-            f"related paths through {' and '.join(links)}: paths through two relations "
-            "of the counted model are not counted; use paths through one of them"
+            f"related paths through {parted[0]} and {parted[1]}: paths through two relations "
+            "of one model are not counted; use paths along one chain of relations "
+            '("post__blog__owner" with "post__published")'
         )
-    for hop in hops:
-        middle = hop.middle
-        label = middle._meta.label
-        if middle is source or issubclass(source, middle) or issubclass(middle, source):
-            return f"{hop.path!r} leads back to {label}, the source model: not counted"
-        if middle._meta.parents or any(
-            m._meta.parents.get(middle) for m in middle._meta.apps.get_models()
-        ):
-            return (
-                f"{hop.path!r} goes through {label}, which has multi-table relatives: "
-                "related paths through them are not counted"
-            )
-        problem = uncounted_manager(middle)
-        if problem is None:
-            base = middle._meta.base_manager
-            if base.auto_created or isinstance(base.get_queryset(), CountedQuerySet):
-                continue
-            problem = f"its base manager {label}.{base.name} is not counted"
-        return (
-            f"{hop.path!r} goes through {label}, whose changes move the counts of the rows "
-            f"below it: {problem}"
-        )
+    chain = Chain.of(hops)
+    path = max(hops, key=lambda hop: hop.depth).path
+    seen: dict[type[models.Model], int] = {concrete_model(source): 0}
+    for depth, middle in enumerate(chain.middles(), 1):
+        problem = _middle_problem(source, middle, path, seen.get(middle), depth)
+        if problem:
+            return problem
+        seen[middle] = depth
     return None
+
+
+def _middle_problem(
+    source: type[models.Model],
+    middle: type[models.Model],
+    path: str,
+    earlier: int | None,
+    depth: int,
+) -> str | None:
+    """Why ``middle``, at ``depth`` of ``path``, cannot be in the middle of a counted path."""
+    label = middle._meta.label
+    if middle is source or issubclass(source, middle) or issubclass(middle, source):
+        return f"{path!r} leads back to {label}, the source model: not counted"
+    if earlier is not None:
+        return (
+            f"{path!r} goes through {label} twice (at depths {earlier} and {depth}): a path "
+            "through one model twice is not counted"
+        )
+    if middle._meta.parents or any(
+        m._meta.parents.get(middle) for m in middle._meta.apps.get_models()
+    ):
+        return (
+            f"{path!r} goes through {label}, which has multi-table relatives: "
+            "related paths through them are not counted"
+        )
+    problem = uncounted_manager(middle)
+    if problem is None:
+        base = middle._meta.base_manager
+        if base.auto_created or isinstance(base.get_queryset(), CountedQuerySet):
+            return None
+        problem = f"its base manager {label}.{base.name} is not counted"
+    return (
+        f"{path!r} goes through {label} (at depth {depth}), whose changes move the counts of "
+        f"the rows below it: {problem}"
+    )
 
 
 def route_refusal(model: type[models.Model]) -> tuple[str, str] | None:

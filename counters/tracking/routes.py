@@ -19,9 +19,10 @@ hooks into Django, and every method it wraps goes through one function
 - ``pre_delete``/``post_delete`` receivers (:func:`connect_model`), per model,
   so Django keeps fast-deleting the rows of every model that is not tracked.
 - Counters keyed by a natural key keep tombstones (:mod:`counters.tracking.tombs`).
-- The middle model of a related key or where (``"post__author"``): its
-  ``_save_table()``, and its base manager and ``update()``, move the rows
-  below a changed row (:mod:`counters.tracking.middle`).
+- Each middle model of a related key or where (``"post__author"``; the post
+  and the blog of ``"post__blog__owner"``): its ``_save_table()``, and its
+  base manager and ``update()``, move the rows below a changed row
+  (:mod:`counters.tracking.middle`).
 
 And for every model sharing its rows
 (:func:`~counters.tracking.relatives.sharers`: its proxies, its multi-table
@@ -109,9 +110,10 @@ def install_tracked(tracker: Tracker) -> None:
         tombs.connect(spec.target_model)
     for tracked in tracked_models():  # a new tracked model may be a relative of the others
         _install_sharers(tracked)
-    for hop in tracker.related:  # the middle rows of its related paths (tracking/middle.py)
-        _wrap(hop.middle, "_save_table", middle_save_table)
-        _install_base_manager(hop.middle)
+    middles = tracker.chain.middles() if tracker.related else []
+    for middle in middles:  # the middle rows of its related paths, every depth (middle.py)
+        _wrap(middle, "_save_table", middle_save_table)
+        _install_base_manager(middle)
 
 
 def _install_sharers(model: type[models.Model]) -> None:

@@ -10,14 +10,13 @@ queryset (:func:`plain`), so they are never counted themselves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from django.db import connections, models
 
-from counters.base.utils import batched, target_field
-from counters.tracking.paths import Hop
-from counters.tracking.trackers import tracked_fields, trackers_for
+from counters.base.utils import batched
+from counters.tracking.trackers import tracked_fields
 from counters.tracking.where import is_expression, python_value
 
 Row = dict[str, Any]
@@ -123,56 +122,3 @@ def share_locked(qs: models.QuerySet) -> list[tuple[Any, ...]]:
     if converters:
         rows = [tuple(row) for row in compiler.apply_converters(rows, converters)]
     return [tuple(row) for row in rows]
-
-
-def with_related(
-    model: type[models.Model], rows: Sequence[Mapping[str, Any] | None], using: str
-) -> list[Mapping[str, Any] | None]:
-    """``rows`` of ``model`` with the values of its trackers' related paths added.
-
-    The middle rows are share-locked (in key order) before they are read: a change
-    of a middle row (:mod:`counters.tracking.middle`) locks it too, so it
-    either counted these rows or waits for this transaction and counts them
-    after it. Rows of a model without related paths are returned as they are.
-    """
-    hops: dict[str, Hop] = {}
-    for tracker in trackers_for(model):
-        hops.update((hop.path, hop) for hop in tracker.related)
-    if not hops:
-        return list(rows)
-    by_link: dict[str, list[Hop]] = {}
-    for hop in hops.values():
-        by_link.setdefault(hop.link.attname, []).append(hop)
-    values: dict[str, dict[Any, tuple[Any, ...]]] = {}
-    for attname, link_hops in by_link.items():
-        values[attname] = _middle_values(link_hops, rows, using)
-    found: list[Mapping[str, Any] | None] = []
-    for row in rows:
-        if row is None:
-            found.append(None)
-            continue
-        extended = dict(row)
-        for attname, link_hops in by_link.items():
-            middle = values[attname].get(row.get(attname))
-            for i, hop in enumerate(link_hops):
-                extended[hop.path] = middle[i] if middle is not None else None
-        found.append(extended)
-    return found
-
-
-def _middle_values(
-    hops: list[Hop], rows: Sequence[Mapping[str, Any] | None], using: str
-) -> dict[Any, tuple[Any, ...]]:
-    """``{link value: (value of each hop's field)}`` for the middle rows ``rows`` link to."""
-    link = hops[0].link
-    ids = sorted({row[link.attname] for row in rows if row and row.get(link.attname) is not None})
-    if not ids:
-        return {}
-    column = target_field(link).attname
-    columns = [hop.field.attname for hop in hops]
-    found: dict[Any, tuple[Any, ...]] = {}
-    for chunk in batched(ids, CHUNK):
-        qs = plain(hops[0].middle, using).filter(**{f"{column}__in": chunk}).order_by("pk")
-        for key, *rest in share_locked(qs.values_list(column, *columns)):
-            found[key] = tuple(rest)
-    return found

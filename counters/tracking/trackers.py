@@ -19,7 +19,7 @@ from django.db.models import Q
 
 from counters.base import registry
 from counters.base.utils import concrete_model
-from counters.tracking.paths import Hop
+from counters.tracking.paths import Chain, Hop
 from counters.tracking.where import Predicate, Row
 
 
@@ -50,6 +50,12 @@ class Tracker:
     @property
     def related_key(self) -> bool:
         return bool(self.related) and self.related[0].path == self.key
+
+    @property
+    def chain(self) -> Chain:
+        """The relations its related paths follow (raises ``PathError`` if it has none)."""
+        found = _chains.get(self)
+        return found if found is not None else Chain.of(self.related)
 
     @property
     def signature(self) -> tuple:
@@ -117,8 +123,12 @@ _by_model: dict[type[models.Model], tuple[Tracker, ...]] = {}
 _fields: dict[type[models.Model], tuple[models.Field, ...]] = {}
 _attnames: dict[type[models.Model], tuple[str, ...]] = {}
 _names: dict[type[models.Model], frozenset[str]] = {}
-#: middle model -> ``(tracker, hop)`` of every related path through it.
-_middles: dict[type[models.Model], tuple[tuple[Tracker, Hop], ...]] = {}
+#: ``(tracker, depth)``: a tracker whose related paths go through a model at that depth.
+Through = tuple[Tracker, int]
+#: middle model -> ``(tracker, depth)`` of every tracker whose related paths go through it.
+_middles: dict[type[models.Model], tuple[Through, ...]] = {}
+#: tracker -> its :class:`Chain`, once it is added.
+_chains: dict[Tracker, Chain] = {}
 
 
 def add_tracker(tracker: Tracker) -> None:
@@ -131,25 +141,28 @@ def add_tracker(tracker: Tracker) -> None:
     _fields[model] = fields
     _attnames[model] = tuple(f.attname for f in fields)
     _names[model] = frozenset({f.name for f in fields} | {f.attname for f in fields})
-    for hop in tracker.related:
-        _middles[hop.middle] = (*_middles.get(hop.middle, ()), (tracker, hop))
+    if tracker.related:
+        _chains[tracker] = Chain.of(tracker.related)
+        for depth, middle in enumerate(tracker.chain.middles(), 1):
+            _middles[middle] = (*_middles.get(middle, ()), (tracker, depth))
 
 
-def middle_hops(model: type[models.Model]) -> tuple[tuple[Tracker, Hop], ...]:
-    """``(tracker, hop)`` of the related paths that read columns of ``model``."""
+def middle_hops(model: type[models.Model]) -> tuple[Through, ...]:
+    """``(tracker, depth)`` of the trackers whose related paths read columns of ``model``."""
     return _middles.get(concrete_model(model), ())
 
 
-def middle_touched(
-    model: type[models.Model], names: Iterable[str]
-) -> tuple[tuple[Tracker, Hop], ...]:
-    """The related paths through ``model`` that read one of fields ``names``."""
+def middle_touched(model: type[models.Model], names: Iterable[str]) -> tuple[Through, ...]:
+    """The ``(tracker, depth)`` of :func:`middle_hops` that read one of fields ``names``
+    of ``model``: a column of its paths, or the relation to the next model of the chain."""
     found = _middles.get(concrete_model(model))
     if not found:
         return ()
     names = set(names)
     return tuple(
-        (t, hop) for t, hop in found if hop.field.name in names or hop.field.attname in names
+        (tracker, depth)
+        for tracker, depth in found
+        if any(f.name in names or f.attname in names for f in tracker.chain.reads(depth))
     )
 
 

@@ -8,9 +8,10 @@ unless the collation is binary: see :func:`compile_where`). ``&``, ``|``, ``^`` 
 them. A lookup with ``None`` or on NULL is false, as in SQL; under ``~``
 Django makes every comparison two-valued, and so does Python. An expression
 (``F("a")``) cannot be decided from the row's values and is refused by
-:func:`compile_where`; so is a path through a relation (``post__published``)
-unless the caller accepts related paths (:mod:`counters.tracking.paths`): the
-row then carries the related value under the path's name.
+:func:`compile_where`; so is a path through relations (``post__published``,
+``post__blog__public``) unless the caller accepts related paths
+(:mod:`counters.tracking.paths`): the row then carries the related value
+under the path's name.
 
 Values are compared as Python values of their field (:func:`python_value`):
 the values a row read from the database has, and the values an instance
@@ -157,6 +158,11 @@ def _node(
         nullable = sorted(
             f.name for f in model._meta.concrete_fields if f.attname in read and f.null
         )
+        nullable += sorted(  # a related path is NULL if a relation on its way is
+            hop.path
+            for hop in (hops or {}).values()
+            if hop.path in read and any(f.null for f in (*hop.links, hop.field))
+        )
         if nullable:
             raise WhereError(
                 f"where {q}: ^ over the nullable {', '.join(nullable)} is NULL on MySQL "
@@ -228,8 +234,8 @@ def _leaf(
 
 def _lookup(model: type[models.Model], path: str, hops: Hops) -> tuple[models.Field, str, str]:
     """``(field, its name in a row, lookup)`` of ``path``: a column, or a related one."""
-    name, _, lookup = path.partition("__")
-    lookup = lookup or "exact"
+    parts = path.split("__")
+    name = parts[0]
     try:
         found = model._meta.get_field(name)
     except FieldDoesNotExist:
@@ -238,24 +244,29 @@ def _lookup(model: type[models.Model], path: str, hops: Hops) -> tuple[models.Fi
         ) from None
     if not isinstance(found, models.Field) or not found.concrete or found.many_to_many:
         raise WhereError(f"where {path!r}: {name!r} is not a column of {model._meta.label}")
-    if lookup in LOOKUPS:
+    named = _field_names(found, parts)
+    if len(parts) - named > 1:
+        raise WhereError(
+            f"where {path!r}: {'__'.join(parts[:named])!r} leads to no field {parts[named]!r}",
+            unknown_field=True,
+        )
+    lookup = "__".join(parts[named:]) or "exact"
+    if named == 1 and lookup in LOOKUPS:
         return found, found.attname, lookup
-    related = found.related_model
-    follows = "__" in lookup or (isinstance(related, type) and _is_field(related, lookup))
-    if follows and hops is not None and isinstance(related, type):
-        column, _, lookup = lookup.partition("__")
+    if named > 1 and hops is not None:
         try:
-            hop = resolve(model, f"{name}__{column}")
+            hop = resolve(model, "__".join(parts[:named]))
         except PathError as exc:
             raise WhereError(f"where {path!r}: {exc}", unknown_field=True) from None
-        if lookup and lookup not in LOOKUPS:
+        if lookup not in LOOKUPS:
             raise WhereError(
-                f"where {path!r}: lookup {lookup!r} is not supported (a related path is one "
-                f"relation and a column; supported lookups: {', '.join(sorted(LOOKUPS))})"
+                f"where {path!r}: lookup {lookup!r} is not supported (a related path is "
+                "forward relations and a column; supported lookups: "
+                f"{', '.join(sorted(LOOKUPS))})"
             )
         hops[hop.path] = hop
-        return hop.field, hop.path, lookup or "exact"
-    if follows:
+        return hop.field, hop.path, lookup
+    if named > 1:
         raise WhereError(
             f"where {path!r} follows a relation: it cannot be decided from a row's own "
             f"values (compare {found.attname!r} instead)"
@@ -266,18 +277,29 @@ def _lookup(model: type[models.Model], path: str, hops: Hops) -> tuple[models.Fi
     )
 
 
+def _field_names(field: models.Field | models.ForeignObjectRel, parts: list[str]) -> int:
+    """How many of ``parts`` name fields (``field`` the first), as Django reads a lookup: each
+    next name a field of the model the previous one relates to, unless it is the last name
+    and a lookup."""
+    named = 1
+    while named < len(parts):
+        name = parts[named]
+        related = field.related_model if field.is_relation else None
+        last = named == len(parts) - 1
+        if (last and name in LOOKUPS) or not isinstance(related, type):
+            break
+        try:
+            field = related._meta.pk if name == "pk" else related._meta.get_field(name)
+        except FieldDoesNotExist:
+            break
+        named += 1
+    return named
+
+
 def _exact_collation(field: models.Field) -> bool:
     """Whether MySQL compares ``field``'s text byte for byte, trailing spaces included."""
     collation = getattr(field, "db_collation", None) or ""
     return collation == "binary" or collation.endswith(("_nopad_bin", "_0900_bin"))
-
-
-def _is_field(model: type[models.Model], name: str) -> bool:
-    try:
-        model._meta.get_field(name)
-    except FieldDoesNotExist:
-        return name == "pk"
-    return True
 
 
 def _items(value: Any) -> list[Any]:

@@ -12,7 +12,7 @@ class BlogConfig(AppConfig):
     def ready(self) -> None:
         import counters
 
-        from .models import Comment, RelComment
+        from .models import Comment, HopComment, HopPost, RelComment
 
         counters.track(
             "post_comments",
@@ -51,4 +51,41 @@ class BlogConfig(AppConfig):
             key="post",
             into="blog.RelPostStats.published_comments",
             where=Q(approved=True, post__published=True),
+        )
+        # Related paths of several relations (tests/tracking/test_related_multihop.py)
+        counters.track(
+            "hop_owner_comments",
+            HopComment,
+            key="post__blog__owner",
+            into="blog.HopOwnerStats.comments",
+            where=Q(approved=True, post__published=True),
+        )
+        counters.track(
+            "hop_founder_points",
+            HopComment,
+            key="post__blog__founder",
+            into="blog.HopOwnerStats.points",
+            where=Q(approved=True, post__blog__public=True),
+            amount="points",
+        )
+        counters.track(
+            "hop_blog_comments",
+            HopComment,
+            key="post__blog",
+            into="blog.HopBlogStats.comments",
+            where=Q(post__published=True),
+        )
+        counters.track(
+            "hop_active_comments",
+            HopComment,
+            key="post__blog__owner",
+            into="blog.HopOwnerStats.active_comments",
+            where=Q(post__blog__owner__active=True),
+        )
+        counters.track(
+            "hop_owner_posts",
+            HopPost,
+            key="blog__owner",
+            into="blog.HopOwnerStats.posts",
+            where=Q(published=True),
         )

@@ -350,3 +350,93 @@ class ClubStats(models.Model):
 
     def __str__(self) -> str:
         return f"{self.pk}: {self.members} members"
+
+
+# -- related paths of several relations: comments per owner of their post's blog ------------
+
+
+class HopOwner(models.Model):
+    """The end of the paths, and counted itself: ``post__blog__owner__active`` reads it."""
+
+    name = models.CharField(max_length=50, default="")
+    active = models.BooleanField(default=True)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class HopOwnerStats(models.Model):
+    owner = models.OneToOneField(HopOwner, primary_key=True, on_delete=models.CASCADE)
+    comments = models.BigIntegerField(default=0)
+    points = models.BigIntegerField(default=0)
+    active_comments = models.BigIntegerField(default=0)
+    posts = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.pk}: {self.comments} comments, {self.points} points"
+
+
+class HopBlog(models.Model):
+    """In the middle at depth 2: its owner (``SET_NULL``), founder (``CASCADE``) and public
+    flag decide the counters of the comments of its posts."""
+
+    owner = models.ForeignKey(
+        HopOwner, on_delete=models.SET_NULL, null=True, blank=True, related_name="owned_blogs"
+    )
+    founder = models.ForeignKey(HopOwner, on_delete=models.CASCADE, related_name="founded_blogs")
+    public = models.BooleanField(default=True)
+    archive = models.ForeignKey(
+        "HopArchive", on_delete=models.SET_NULL, null=True, blank=True, related_name="blogs"
+    )
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"blog {self.pk}"
+
+
+class HopBlogStats(models.Model):
+    blog = models.OneToOneField(HopBlog, primary_key=True, on_delete=models.CASCADE)
+    comments = models.BigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.pk}: {self.comments}"
+
+
+class HopArchive(models.Model):
+    """Not counted: a path through it (``post__archive__owner``) is refused; a path may end
+    at it (``post__blog__archive``)."""
+
+    owner = models.ForeignKey(HopOwner, on_delete=models.CASCADE, related_name="archives")
+
+    def __str__(self) -> str:
+        return f"archive {self.pk}"
+
+
+class HopPost(models.Model):
+    """In the middle at depth 1 (and counted itself per owner of its blog)."""
+
+    blog = models.ForeignKey(HopBlog, on_delete=models.CASCADE, related_name="posts")
+    published = models.BooleanField(default=False)
+    parent = models.ForeignKey(
+        "self", on_delete=models.SET_NULL, null=True, blank=True, related_name="children"
+    )
+    archive = models.ForeignKey(HopArchive, on_delete=models.SET_NULL, null=True, blank=True)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"post {self.pk}"
+
+
+class HopComment(models.Model):
+    post = models.ForeignKey(HopPost, on_delete=models.CASCADE, related_name="comments")
+    approved = models.BooleanField(default=False)
+    points = models.IntegerField(default=1)
+
+    objects = counters.CountedManager()
+
+    def __str__(self) -> str:
+        return f"comment {self.pk}"

@@ -187,8 +187,9 @@ def test_a_related_path_to_a_generated_column_is_refused():
 @pytest.mark.parametrize(
     "key",
     [
-        pytest.param("post__author__name", id="two-relations"),
         pytest.param("post__comments", id="reverse"),
+        pytest.param("post__author__rel_posts", id="reverse-deeper"),
+        pytest.param("post__published__author", id="column-then-more"),
         pytest.param("approved__author", id="not-a-relation"),
         pytest.param("post__nothing", id="unknown"),
     ],

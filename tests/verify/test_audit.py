@@ -27,6 +27,7 @@ from counters.verify.audit import audit
 from counters.verify.hold import audit_holder_key, rebuild_lease
 from counters.verify.rebuild import rebuild_all
 from notifications.models import Notification, UnreadCounter
+from tests.blog import hops, related
 from tests.helpers import assert_exact, stored
 from tests.procs import project_env, run_manage
 
@@ -34,6 +35,8 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
 
 QUICK = 0.05  # seconds between confirming readings: nothing else writes in these tests
+#: The counters of tests.blog over related paths, in the order they are declared.
+RELATED = [*related.COUNTERS, *hops.COUNTERS]
 
 
 def add_to_row(user, amount: int) -> None:
@@ -163,19 +166,15 @@ def test_every_counter_with_a_truth_source_has_its_own_cursor(users):
         "unread": (2, users[1].pk),
         "post_comments": (2, posts[1].pk),
         "post_points": (2, posts[1].pk),
-        # the related keys of tests.blog: no author nor post of theirs here
-        "author_comments": (0, None),
-        "editor_points": (0, None),
-        "post_published_comments": (0, None),
+        # the related keys of tests.blog: no author, post nor owner of theirs here
+        **dict.fromkeys(RELATED, (0, None)),
     }
     positions = dict(AuditCursor.objects.values_list("counter", "after"))
     assert positions == {
         "unread": str(users[1].pk),
         "post_comments": str(posts[1].pk),
         "post_points": str(posts[1].pk),
-        "author_comments": None,
-        "editor_points": None,
-        "post_published_comments": None,
+        **dict.fromkeys(RELATED),
     }
 
 
@@ -290,7 +289,8 @@ def test_the_beat_task_runs_the_audit_and_logs_its_repairs(users, settings, capl
     assert repairs() == [("unread", str(users[2].pk), 7, 0, 2)]
     lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "counters.tasks"]
     assert len(lines) == 1 and lines[0][0] == "INFO", lines
-    assert lines[0][1].startswith("audited 5 keys of 6 counters, repaired 1 in ")
+    total = 3 + len(RELATED)  # unread, post_comments, post_points and the related ones
+    assert lines[0][1].startswith(f"audited 5 keys of {total} counters, repaired 1 in ")
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="counters"):
         tasks.audit_counters()  # nothing to repair: one line at DEBUG
