@@ -112,6 +112,7 @@ def local_day(moment: datetime.datetime) -> datetime.date:
     return timezone.localtime(moment, ZONE).date()
 
 
+@pytest.mark.usefixtures("redis_backend")
 def test_every_path_counts_each_local_day_exactly(make_user):
     alice, bob = make_user(), make_user()
     first = Notification.objects.create(recipient=alice, verb="a", created_at=at(24, 10, 59))

@@ -71,6 +71,7 @@ def people(n: int, start: int = 0) -> list[User]:
     return [User.objects.create(username=f"u{start + i}") for i in range(n)]
 
 
+@pytest.mark.usefixtures("redis_backend")
 def test_add_remove_set_clear_from_both_sides():
     alice, bob, carol = people(3)
     red, blue = Group.objects.create(name="red"), Group.objects.create(name="blue")

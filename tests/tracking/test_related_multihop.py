@@ -93,6 +93,7 @@ def test_changes_at_depth_one(world):
     assert_hops_exact()
 
 
+@pytest.mark.usefixtures("redis_backend")
 def test_changes_at_depth_two_and_three(world):
     owners, blogs, _posts = world
     blog = blogs[0]
