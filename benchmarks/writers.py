@@ -133,7 +133,7 @@ class Floor:
         self.unread = 0
 
     def connect(self) -> socket.socket:
-        from counters.client import get_buffer
+        from counters import get_buffer
 
         buffer = get_buffer()
         address = floor_address(buffer.client)
