@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from django.db.models import Count, Q, Sum
 
-import counters
+from tests.blog import related
 from tests.blog.models import HopBlog, HopBlogStats, HopComment, HopOwner, HopOwnerStats, HopPost
 
-#: counter -> (source, key lookup, where, aggregate, counter model, counter column, key model).
-COUNTERS = {
+#: The table of :mod:`tests.blog.related`: counter -> (source, key lookup, where, aggregate,
+#: counter model, counter column, key model).
+COUNTERS: related.Table = {
     "hop_owner_comments": (
         HopComment,
         "post__blog__owner",
@@ -58,44 +59,13 @@ COUNTERS = {
 
 
 def truths(name: str, using: str = "default") -> dict[int, int]:
-    """{key: truth} of every key with a non-zero truth (one SQL query over the joins)."""
-    source, key, where, total, *_ = COUNTERS[name]
-    rows = source.objects.using(using).filter(where).filter(**{f"{key}__isnull": False})
-    grouped = rows.order_by().values(key).annotate(n=total).values_list(key, "n")
-    return {k: int(n or 0) for k, n in grouped if n}
+    return related.truths(name, using, COUNTERS)
 
 
 def stored(name: str, using: str = "default") -> dict[int, int]:
-    *_, model, column, _key_model = COUNTERS[name]
-    rows = model.objects.using(using).values_list("pk", column)
-    return {pk: n for pk, n in rows if n}
-
-
-def keys(name: str, using: str = "default") -> list[int]:
-    key_model = COUNTERS[name][6]
-    return list(key_model.objects.using(using).values_list("pk", flat=True))
-
-
-def wrong(name: str, using: str = "default") -> dict[int, tuple[int, int]]:
-    """{key: (get_value, truth)} where they differ, for every row of the key model."""
-    truth = truths(name, using)
-    found = {}
-    for key in keys(name, using):
-        value = counters.get_value(name, key, using=using)
-        if value != truth.get(key, 0):
-            found[key] = (value, truth.get(key, 0))
-    return found
+    return related.stored(name, using, COUNTERS)
 
 
 def assert_hops_exact(flush: bool = True, using: str = "default") -> None:
     """get_value equals the SQL truth for every key; after a flush the stored rows do too."""
-    for name in COUNTERS:
-        assert wrong(name, using) == {}, name
-    if not flush:
-        return
-    counters.flush(using=using)
-    for name in COUNTERS:
-        existing = set(keys(name, using))
-        kept = {k: n for k, n in stored(name, using).items() if k in existing}
-        assert kept == truths(name, using), name
-        assert wrong(name, using) == {}, name
+    related.assert_related_exact(flush, using, COUNTERS)
