@@ -9,8 +9,14 @@ transaction that rolled back vanish with it, so the audit holds exactly what
 was committed, and the ledger can be checked against it: every committed
 counter change belongs to a transaction that wrote one ledger row, a batch id
 was committed by one transaction only, and each ledger row's ``keys`` and
-``deltas`` match the changes of its transaction. A counter row deleted with
-its parent (a ``CASCADE``) is not a change: its key never comes back.
+``deltas`` match the changes of its transaction, netted per counter and key.
+
+Deletions are recorded too, as changes of minus the row's values. A counter
+row deleted with its parent (a ``CASCADE``, in the deleting transaction) is
+not a change to ledger: its key never comes back. A flush that created a row
+whose parent another transaction deleted meanwhile deletes that row again
+and drops its delta (:func:`counters.write.upsert.upsert_postgresql`): its
+insertion and its deletion net to nothing, as its ledger row counts it.
 
 Latency: in flusher connections (``application_name`` ``tally-flusher-*``) a
 ledger insert sleeps up to 20 ms, and so does COMMIT (a deferred constraint
@@ -33,21 +39,23 @@ from tests.chaos.harness import CeleryFlusher, CommandFlusher
 
 INSTALL = """
 CREATE TABLE chaos_counter_audit (xid bigint NOT NULL, counter text NOT NULL, key text NOT NULL,
-                                  delta bigint NOT NULL);
+                                  delta bigint NOT NULL, deleted boolean NOT NULL);
 CREATE TABLE chaos_ledger_audit (xid bigint NOT NULL, batch_id text NOT NULL, app text NOT NULL);
 
 -- Arguments: the key column, then pairs of (value column, counter name).
 CREATE FUNCTION chaos_counter_audit() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
-  new_row jsonb := to_jsonb(NEW);
-  old_row jsonb := CASE WHEN TG_OP = 'UPDATE' THEN to_jsonb(OLD) END;
+  new_row jsonb := CASE WHEN TG_OP <> 'DELETE' THEN to_jsonb(NEW) END;
+  old_row jsonb := CASE WHEN TG_OP <> 'INSERT' THEN to_jsonb(OLD) END;
   delta bigint;
 BEGIN
   FOR i IN 1 .. TG_NARGS - 1 BY 2 LOOP
-    delta := (new_row ->> TG_ARGV[i])::bigint - coalesce((old_row ->> TG_ARGV[i])::bigint, 0);
+    delta := coalesce((new_row ->> TG_ARGV[i])::bigint, 0)
+             - coalesce((old_row ->> TG_ARGV[i])::bigint, 0);
     IF delta <> 0 THEN
       INSERT INTO chaos_counter_audit
-        VALUES (txid_current(), TG_ARGV[i + 1], new_row ->> TG_ARGV[0], delta);
+        VALUES (txid_current(), TG_ARGV[i + 1], coalesce(new_row, old_row) ->> TG_ARGV[0], delta,
+                TG_OP = 'DELETE');
     END IF;
   END LOOP;
   RETURN NULL;
@@ -81,7 +89,7 @@ CREATE CONSTRAINT TRIGGER chaos_commit_sleep AFTER INSERT ON counters_flushbatch
 """
 
 COUNTER_TRIGGER = """
-CREATE TRIGGER chaos_counter_audit AFTER INSERT OR UPDATE ON {table}
+CREATE TRIGGER chaos_counter_audit AFTER INSERT OR UPDATE OR DELETE ON {table}
   FOR EACH ROW EXECUTE FUNCTION chaos_counter_audit({args})
 """
 
@@ -101,18 +109,20 @@ DROP TABLE IF EXISTS chaos_ledger_audit;
 CHECKS = {
     "counter changes outside a ledgered transaction": """
         SELECT DISTINCT a.xid FROM chaos_counter_audit a
-        WHERE NOT EXISTS (SELECT 1 FROM chaos_ledger_audit l WHERE l.xid = a.xid)""",
+        WHERE NOT a.deleted
+          AND NOT EXISTS (SELECT 1 FROM chaos_ledger_audit l WHERE l.xid = a.xid)""",
     "transactions that wrote more than one ledger row": """
         SELECT xid FROM chaos_ledger_audit GROUP BY xid HAVING count(*) > 1""",
     "batch ids committed by more than one transaction": """
         SELECT batch_id FROM chaos_ledger_audit GROUP BY batch_id HAVING count(*) > 1""",
     "ledger rows that do not match their transaction's changes": """
-        SELECT b.batch_id, b.keys, b.deltas, count(a.xid), coalesce(sum(abs(a.delta)), 0)
+        SELECT b.batch_id, b.keys, b.deltas, count(n.xid), coalesce(sum(abs(n.net)), 0)
         FROM counters_flushbatch b
         JOIN chaos_ledger_audit l ON l.batch_id = b.batch_id
-        LEFT JOIN chaos_counter_audit a ON a.xid = l.xid
+        LEFT JOIN (SELECT xid, sum(delta) AS net FROM chaos_counter_audit
+                   GROUP BY xid, counter, key HAVING sum(delta) <> 0) n ON n.xid = l.xid
         GROUP BY b.batch_id, b.keys, b.deltas
-        HAVING b.keys <> count(a.xid) OR b.deltas <> coalesce(sum(abs(a.delta)), 0)""",
+        HAVING b.keys <> count(n.xid) OR b.deltas <> coalesce(sum(abs(n.net)), 0)""",
     "ledger rows missing from the audit": """
         SELECT b.batch_id FROM counters_flushbatch b
         WHERE NOT EXISTS (SELECT 1 FROM chaos_ledger_audit l WHERE l.batch_id = b.batch_id)""",
@@ -155,7 +165,7 @@ def literal(text: str) -> str:
 
 
 def install(names: Sequence[str]) -> None:
-    """Audit the counters ``names`` (their tables' INSERTs and UPDATEs) and the ledger.
+    """Audit the counters ``names`` (their tables' INSERTs, UPDATEs and DELETEs) and the ledger.
 
     Counters sharing a table must share its key column: one trigger per table
     records each of their columns.
@@ -212,7 +222,7 @@ def ledger_figures() -> dict[str, int]:
             "count(*) FILTER (WHERE kind = 'fallback') FROM counters_flushbatch"
         )
         rows, distinct, fallback = cursor.fetchone()
-        cursor.execute("SELECT count(*) FROM chaos_counter_audit")
+        cursor.execute("SELECT count(*) FROM chaos_counter_audit WHERE NOT deleted")
         (changes,) = cursor.fetchone()
         cursor.execute("SELECT app, count(*) FROM chaos_ledger_audit GROUP BY app")
         by_app = dict(cursor.fetchall())
