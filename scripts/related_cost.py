@@ -14,7 +14,15 @@ on this machine). The models and counters are those of ``tests.blog``:
   with ``post__published``): each insert reads its post share-locked;
 - ``move_off`` / ``move``: ``RelPost.objects.filter(pk=…).update(author=…)``
   of a post with ``--below`` comments, paused / counted: the middle-row route,
-  one grouped query moving the post's comments between authors.
+  one grouped query moving the post's comments between authors;
+- ``hops_off`` / ``hops``: ``HopComment.objects.create(approved=True)``, paused /
+  counted by its four counters over paths of several relations
+  (``post__blog__owner`` twice, with ``post__published`` and with
+  ``post__blog__owner__active``; ``post__blog__founder`` with
+  ``post__blog__public``; ``post__blog`` with ``post__published``);
+- ``hop_move_off`` / ``hop_move``: ``HopBlog.objects.filter(pk=…).update(owner=…)``
+  of a blog with one post of ``--below`` comments, paused / counted: a change
+  two relations up the path, moving every comment under the blog.
 
 The database must be migrated with the test settings first::
 
@@ -40,19 +48,40 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.write_cost import backend_cpu  # noqa: E402
 
-MODES = ("plain_off", "plain", "related_off", "related", "move_off", "move")
+MODES = (
+    *("plain_off", "plain", "related_off", "related", "move_off", "move"),
+    *("hops_off", "hops", "hop_move_off", "hop_move"),
+)
 
 
 def operations(below: int) -> dict[str, Callable[[], None]]:
     """One change per mode. Django must be set up."""
     from counters import paused
-    from tests.blog.models import Comment, Post, RelAuthor, RelComment, RelPost
+    from tests.blog.models import (
+        Comment,
+        HopBlog,
+        HopComment,
+        HopOwner,
+        HopPost,
+        Post,
+        RelAuthor,
+        RelComment,
+        RelPost,
+    )
 
     post = Post.objects.create(title="cost")
     authors = [RelAuthor.objects.create(name=f"cost-{i}") for i in range(2)]
     rel_post = RelPost.objects.create(author=authors[0], editor=authors[1], published=True)
     moved = RelPost.objects.create(author=authors[0], published=True)
     RelComment.objects.bulk_create([RelComment(post=moved, approved=True) for _ in range(below)])
+    owners = [HopOwner.objects.create(name=f"cost-{i}") for i in range(2)]
+    hop_blog = HopBlog.objects.create(owner=owners[0], founder=owners[1])
+    hop_post = HopPost.objects.create(blog=hop_blog, published=True)
+    hop_moved = HopBlog.objects.create(owner=owners[0], founder=owners[1])
+    hop_below = HopPost.objects.create(blog=hop_moved, published=True)
+    HopComment.objects.bulk_create(
+        [HopComment(post=hop_below, approved=True) for _ in range(below)]
+    )
     turn = [0]
 
     def plain() -> None:
@@ -65,6 +94,13 @@ def operations(below: int) -> dict[str, Callable[[], None]]:
         turn[0] ^= 1
         RelPost.objects.filter(pk=moved.pk).update(author=authors[turn[0]])
 
+    def hops() -> None:
+        HopComment.objects.create(post=hop_post, approved=True)
+
+    def hop_move() -> None:
+        turn[0] ^= 1
+        HopBlog.objects.filter(pk=hop_moved.pk).update(owner=owners[turn[0]])
+
     def off(op: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
             with paused():
@@ -72,7 +108,8 @@ def operations(below: int) -> dict[str, Callable[[], None]]:
 
         return run
 
-    counted = {"plain": plain, "related": related, "move": move}
+    counted = {"plain": plain, "related": related, "move": move, "hops": hops}
+    counted["hop_move"] = hop_move
     return {**counted, **{f"{name}_off": off(op) for name, op in counted.items()}}
 
 
