@@ -52,10 +52,11 @@ SQLITE_SERIAL ?= tests/e2e tests/web/test_browser.py tests/project
 # Each run is two passes: the parallel one, then the tests marked `serial` (they start
 # processes, kill them or time things) in one process, so no timing competes with other tests.
 # A pass that PYTEST_ARGS leaves without a test (pytest's exit code 5) is not a failure.
-# $(1): the pytest command; $(2): the rest of the marker expression.
+# $(1): the pytest command; $(2): the rest of the marker expression; $(3): the paths of the
+# serial pass (all the tests when empty).
 define pytest_passes
 $(1) $(XDIST) -m "not serial $(2)" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-$(1) -p no:xdist -m "serial $(2)" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+$(1) -p no:xdist -m "serial $(2)" $(PYTEST_ARGS) $(3) || [ $$? -eq 5 ]
 endef
 
 export PATH := $(abspath $(BIN)):$(PATH)
@@ -89,9 +90,7 @@ test: test-sqlite test-postgres test-mariadb test-valkey
 
 test-sqlite: install-test
 	$(BIN)/python scripts/ensure_redis.py
-	$(BIN)/pytest $(NO_BUFFER) $(XDIST) -m "not serial $(NO_CLUSTER)" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(BIN)/pytest $(NO_BUFFER) -p no:xdist -m "serial $(NO_CLUSTER)" $(PYTEST_ARGS) \
-		$(SQLITE_SERIAL) || [ $$? -eq 5 ]
+	$(call pytest_passes,$(BIN)/pytest $(NO_BUFFER),$(NO_CLUSTER),$(SQLITE_SERIAL))
 
 test-postgres: install-test
 	$(BIN)/python scripts/ensure_redis.py

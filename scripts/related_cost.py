@@ -108,8 +108,7 @@ def operations(below: int) -> dict[str, Callable[[], None]]:
 
         return run
 
-    counted = {"plain": plain, "related": related, "move": move, "hops": hops}
-    counted["hop_move"] = hop_move
+    counted = {"plain": plain, "related": related, "move": move, "hops": hops, "hop_move": hop_move}
     return {**counted, **{f"{name}_off": off(op) for name, op in counted.items()}}
 
 

@@ -22,8 +22,10 @@ nodes, the sentinel set) is a ``valkey-server``; the backends' ids say
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import fakeredis
 import pytest
@@ -31,7 +33,9 @@ from django.db import connection
 
 import counters
 from counters import client as client_module
+from counters.base.exceptions import NotConnected
 from counters.buffer.cluster import ClusterClient
+from counters.buffer.store import Buffer
 from counters.write import sender
 from tests.redis_cluster import RedisCluster as RedisClusterServer
 from tests.redis_sentinel import SentinelSet
@@ -215,3 +219,18 @@ def snapshot_redis(settings, tmp_path):
     with RedisServer(data_dir=data_dir) as server:
         settings.COUNTERS_REDIS_URL = server.url
         yield server
+
+
+@pytest.fixture
+def redis_down_in(monkeypatch) -> set[threading.Thread]:
+    """Threads whose pushes fail as if Redis were unreachable (so they write to the DB)."""
+    threads: set[threading.Thread] = set()
+    real_push = Buffer.push
+
+    def push(self: Buffer, deltas: Any, push_id: str) -> set[int]:
+        if threading.current_thread() in threads:
+            raise NotConnected("Error connecting to Redis (injected)")
+        return real_push(self, deltas, push_id)
+
+    monkeypatch.setattr(Buffer, "push", push)
+    return threads

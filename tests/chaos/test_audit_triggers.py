@@ -19,8 +19,7 @@ from django.db import connection
 from counters.models import FlushBatch
 from notifications.models import Notification, UnreadCounter
 from tests.chaos import audit
-from tests.helpers import stored, truth
-from tests.write.test_apply import Worker, after_first, redis_down_in  # noqa: F401 (a fixture)
+from tests.helpers import Worker, after_first, stored, truth
 
 pytestmark = [
     pytest.mark.skipif(
@@ -48,9 +47,7 @@ def audited_changes(key: int) -> list[tuple[int, bool]]:
 
 
 def test_a_row_created_for_a_parent_deleted_meanwhile_nets_to_nothing(
-    audited,
-    redis_down_in,  # noqa: F811 (the fixture imported above)
-    make_user,
+    audited, redis_down_in, make_user
 ):
     redis_down_in.add(threading.current_thread())  # the deltas go to the database directly
     bob, carol = make_user(), make_user()

@@ -7,23 +7,17 @@ commits or queues on its locks.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 from django.db import connection
 
 import counters
-from counters.base.exceptions import NotConnected
-from counters.buffer.store import Buffer
 from counters.models import FlushBatch
 from counters.write import apply
 from notifications.models import Notification, UnreadCounter
 from tests.conftest import has_row_locks
-from tests.helpers import assert_exact, backend_pid, lock_poll, stored, truth, waits_on_lock
+from tests.helpers import Worker, after_first, assert_exact, stored, truth
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
@@ -31,8 +25,6 @@ needs_row_locks = pytest.mark.skipif(
     not has_row_locks(), reason="needs row locks between connections"
 )
 
-#: Seconds any step of a race may take before the test gives up.
-WAIT = 20
 COUNTER_TABLE = UnreadCounter._meta.db_table
 
 
@@ -42,101 +34,6 @@ def applier(request, monkeypatch) -> str:
     if request.param == "generic":
         monkeypatch.setattr(apply, "APPLIERS", {}, raising=False)
     return request.param
-
-
-@pytest.fixture
-def redis_down_in(monkeypatch) -> set[threading.Thread]:
-    """Threads whose pushes fail as if Redis were unreachable (so they write to the DB)."""
-    threads: set[threading.Thread] = set()
-    real_push = Buffer.push
-
-    def push(self: Buffer, deltas: Any, push_id: str) -> set[int]:
-        if threading.current_thread() in threads:
-            raise NotConnected("Error connecting to Redis (injected)")
-        return real_push(self, deltas, push_id)
-
-    monkeypatch.setattr(Buffer, "push", push)
-    return threads
-
-
-class Worker(threading.Thread):
-    """Runs ``target`` on a DB connection of its own; keeps its result or error.
-
-    With ``pause_on``, it stops right after its first statement whose SQL
-    contains that text, until :meth:`resume`.
-    """
-
-    def __init__(self, target: Callable[[], Any], *, pause_on: str | None = None) -> None:
-        super().__init__(daemon=True)
-        self.target = target
-        self.pause_on = pause_on
-        self.started_sql = threading.Event()
-        self.paused = threading.Event()
-        self.resumed = threading.Event()
-        self.pid: int | None = None
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def _pause(self, execute, sql, params, many, context):
-        result = execute(sql, params, many, context)
-        if self.pause_on in sql and not self.paused.is_set():
-            self.paused.set()
-            self.resumed.wait(WAIT)
-        return result
-
-    def run(self) -> None:
-        try:
-            self.pid = backend_pid()
-            self.started_sql.set()
-            hook = connection.execute_wrapper(self._pause) if self.pause_on else None
-            with hook or contextlib.nullcontext():
-                self.result = self.target()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.started_sql.set()
-            self.paused.set()
-            connection.close()
-
-    def wait_paused(self) -> None:
-        assert self.paused.wait(WAIT) and self.is_alive() and self.error is None, self.error
-
-    def resume(self) -> None:
-        self.resumed.set()
-
-    def finish(self) -> Any:
-        self.join(WAIT)
-        assert not self.is_alive(), "worker still running"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-    def wait_blocked_or_done(self) -> None:
-        """Until this worker waits on a row lock, or has finished."""
-        assert self.started_sql.wait(WAIT)
-        deadline = time.monotonic() + WAIT
-        while self.is_alive():
-            if waits_on_lock(self.pid):
-                return
-            assert time.monotonic() < deadline, "worker neither blocked nor finished"
-            time.sleep(lock_poll())
-
-
-@contextlib.contextmanager
-def after_first(text: str, action: Callable[[], None]) -> Iterator[None]:
-    """Run ``action`` right after this connection's first statement containing ``text``."""
-    done = threading.Event()
-
-    def hook(execute, sql, params, many, context):
-        result = execute(sql, params, many, context)
-        if text in sql and not done.is_set():
-            done.set()
-            action()
-        return result
-
-    with connection.execute_wrapper(hook):
-        yield
-    assert done.is_set(), f"no statement contained {text!r}"
 
 
 # -- every database -------------------------------------------------------------------
