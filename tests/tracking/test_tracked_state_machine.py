@@ -138,8 +138,15 @@ class BlogCounting(RuleBasedStateMachine):
     @rule(p=post_index, n=points)
     def get_or_update_or_create(self, p, n):
         post = self.post(p)
-        Comment.objects.get_or_create(post=post, text=f"g{n}", defaults={"points": n})
-        Comment.objects.update_or_create(post=post, text=f"g{n}", defaults={"approved": n % 2 == 0})
+        try:
+            Comment.objects.get_or_create(post=post, text=f"g{n}", defaults={"points": n})
+            Comment.objects.update_or_create(
+                post=post, text=f"g{n}", defaults={"approved": n % 2 == 0}
+            )
+        except Comment.MultipleObjectsReturned:
+            # A save moved a comment of the same text here: Django refuses before any write,
+            # and the invariant checks that nothing was counted.
+            pass
 
     @rule(p=post_index)
     def rolled_back(self, p):
