@@ -10,7 +10,7 @@ Modes:
 - ``tally``: ``Notification.objects.create()``, the real counted path (the
   delta goes to Redis after COMMIT), with ``COUNTERS_DURABLE`` off;
 - ``durable``: the same with ``COUNTERS_DURABLE`` on: one outbox row INSERTed
-  before the COMMIT, DELETEd after the push;
+  before the COMMIT (the flush deletes it once its push applied);
 - ``sender``: ``tally`` with the per-process sender on
   (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5 ms by default): a COMMIT queues its
   delta, a thread pushes the queue in one round trip;

@@ -187,10 +187,10 @@ SETTINGS: dict[str, Setting] = {
             bool,
             False,
             "Durable mode: the deltas of each transaction are also written, inside it, to "
-            "the outbox table (one row per transaction and database) and the row is deleted "
-            "once Redis has them. A writer killed between COMMIT and its push loses nothing: "
-            "the flush pushes rows older than COUNTERS_OUTBOX_GRACE. Costs one INSERT in the "
-            "transaction and one DELETE after the push.",
+            "the outbox table (one row per transaction and database); the next flush deletes "
+            "the rows whose push applied in Redis. A writer killed between COMMIT and its push "
+            "loses nothing: the flush pushes rows older than COUNTERS_OUTBOX_GRACE. Costs one "
+            "INSERT in the transaction.",
         ),
         Setting(
             "COUNTERS_OUTBOX_GRACE",

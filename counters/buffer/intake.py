@@ -11,7 +11,7 @@ never will.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from zlib import crc32
 
 from redis.commands.core import Script
@@ -128,6 +128,33 @@ class Intake(Keyspace):
         if any(reply not in (0, 1) for reply in replies):
             raise UnexpectedScriptReply("FENCE_SCRIPT", replies)
         return {shard for shard, reply in zip(shards, replies, strict=True) if reply == 1}
+
+    def landed(self, pushes: Sequence[tuple[Iterable[str], PushId | str]]) -> list[set[str]]:
+        """For each ``(members, push_id)``: those of its members whose shard applied that push.
+
+        Read-only, one round trip: the high-water mark of the push's writer in
+        each shard (``HGET <prefix>:{sN}:w:<writer> seq``) at or above its
+        sequence number. A writer pushes in order and is retired after a push
+        that did not resolve, so a mark at or above it means the push applied
+        there. A member is left out once its shard's mark is lower, or gone:
+        never applied there, or applied longer ago than ``PUSH_MARKER_TTL_MS``
+        after its writer's last push (nothing can be known of it then).
+        """
+        wanted: list[tuple[int, dict[str, str]]] = []  # per push: seq, member -> writer key
+        reads: dict[str, int] = {}  # writer key -> its position in the pipeline
+        for members, push_id in pushes:
+            pid = PushId.of(push_id)
+            keys = {m: self.writer_key(self.shard_of(m), pid.writer) for m in members}
+            for key in keys.values():
+                reads.setdefault(key, len(reads))
+            wanted.append((pid.seq, keys))
+        marks: list[int] = []
+        if reads:
+            pipe = self.client.pipeline(transaction=False)
+            for key in reads:
+                pipe.hget(key, "seq")
+            marks = [int(to_str(mark)) if mark is not None else 0 for mark in pipe.execute()]
+        return [{m for m, key in keys.items() if marks[reads[key]] >= seq} for seq, keys in wanted]
 
 
 class PushPlan:

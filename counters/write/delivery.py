@@ -12,7 +12,7 @@ still arrive later leaves that write "unsettled" until a flush fences it
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from redis import RedisError
 
@@ -20,10 +20,11 @@ from counters.base import conf
 from counters.base.exceptions import NotConnected, ScoreLimitExceeded, StalePush
 from counters.base.utils import capped
 from counters.buffer import pushids
+from counters.buffer.keyspace import SCORE_LIMIT
 from counters.buffer.pushids import PushId
 from counters.buffer.store import Buffer
 from counters.client import get_buffer
-from counters.write import acks, outbox, sender
+from counters.write import acks, sender
 from counters.write.fallback import write_direct
 from counters.write.preflight import ensure_recorded
 
@@ -97,10 +98,11 @@ def push_now(
     :func:`counters.buffer.pushids.release` if the push resolved,
     :func:`counters.buffer.pushids.retire` if it may have left without an answer. A
     caller that ends the id again afterwards changes nothing. ``outbox``: the
-    deltas are held in the outbox row ``push_id`` (durable mode), deleted once
-    they are counted: after the push, or in the transaction of the direct
-    write; a push that did not succeed then always retires its writer, so a
-    flush that pushes the row later under that id is its writer's last number.
+    deltas are held in the outbox row ``push_id`` (durable mode), which a
+    flush deletes once the push applied, or the direct write deletes in its
+    transaction (:func:`_send_held`); a push that did not succeed then always
+    retires its writer, so a flush that pushes the row later under that id is
+    its writer's last number.
     """
     if push_id is None:
         pid = pushids.allocate()
@@ -143,6 +145,8 @@ def _send(
     ``failed``: the error of a first attempt made already (a push whose reply
     was read later, :mod:`counters.write.acks`).
     """
+    if outbox:
+        return _send_held(deltas, using, push_id, failed)
     rest = {member: delta for member, delta in deltas.items() if delta}
     direct: dict[str, int] = {}
     maybe_sent = pushed = False
@@ -170,9 +174,6 @@ def _send(
                     )
     else:
         pushed = True
-    if outbox:
-        send_outbox(rest, direct, using, str(push_id), pushed=pushed, maybe_sent=maybe_sent)
-        return pushed and not maybe_sent
     if direct:
         # These never entered Redis: nothing to fence, a settled write.
         write_direct(direct, using)
@@ -183,62 +184,100 @@ def _send(
     return not maybe_sent
 
 
-def send_outbox(
-    rest: dict[str, int],
-    direct: dict[str, int],
+class RowTaken(Exception):
+    """The outbox row of a push is gone, or could not be changed: the writer stops there."""
+
+
+def _send_held(
+    deltas: Mapping[str, int],
     using: str,
-    push_id: str,
-    *,
-    pushed: bool,
-    maybe_sent: bool,
-) -> None:
-    """The end of :func:`send` for deltas held in outbox row ``push_id``: delete the row.
+    push_id: PushId,
+    failed: BaseException | None = None,
+) -> bool:
+    """:func:`_send` for deltas held in outbox row ``push_id`` (durable mode).
 
-    Once pushed, the row goes (one DELETE); the members Redis refused are
-    written directly in the same transaction as the DELETE. Not pushed, the
-    direct write of the rest deletes the row. If the row is gone, a flush
-    took it (pushed it itself): that direct write is skipped.
+    The writer does not delete the row after its push: a flush deletes it once
+    the push shows as applied in every shard of its members
+    (:func:`counters.write.outbox.clear_landed`). So the members Redis cannot
+    take (a sum that would reach 2**53) are written to the DB *before* the
+    rest of the push can complete, in the transaction that takes them out of
+    the row (:func:`_take_out`): a row that shows as applied holds nothing
+    left to count. A push that fails writes the rest directly, deleting the
+    row in the same transaction; a row already gone was taken by a flush,
+    which counts it itself.
     """
-    if pushed and not direct:
-        try:
-            outbox.forget(push_id, using)
-        except Exception:  # the next flush pushes it again, under the same id: counted once
-            logger.exception("could not delete outbox row %s", push_id)
-        return
-    if pushed:
-        write_direct(direct, using, outbox=push_id)
-        return
-    if direct:
-        # Never in Redis, so never fenced: kept apart from the unsettled write below,
-        # whose fence could find this push id applied in their shard by a later attempt.
-        # (A process killed between the two writes has them pushed again by the flush.)
-        write_direct(direct, using)
-    write_direct(rest, using, push_id=push_id, unsettled=maybe_sent, outbox=push_id)
+    row = str(push_id)
+    rest = {member: delta for member, delta in deltas.items() if delta}
+    attempts: tuple[int, ...] = (1, 2)
+    maybe_sent = False
+    try:
+        moved = {m: rest.pop(m) for m in [m for m, d in rest.items() if abs(d) >= SCORE_LIMIT]}
+        if isinstance(failed, ScoreLimitExceeded):
+            moved.update(_too_large(rest, {}, failed))
+        elif failed is not None:
+            maybe_sent, attempts = may_have_left(failed), (2,)
+        if moved:
+            _take_out(moved, rest, using, row)
+        if not rest:
+            return not maybe_sent
+        buffer = get_buffer(using)
+        for attempt in attempts:
+            try:
+                push_exact(buffer, rest, {}, push_id, lambda m: _take_out(m, rest, using, row))
+                return not maybe_sent
+            except (RedisError, StalePush) as exc:
+                maybe_sent = maybe_sent or may_have_left(exc)
+                if attempt == 2:
+                    logger.warning(
+                        "Redis push failed (%s); writing %s deltas to the DB", exc, len(rest)
+                    )
+    except RowTaken:
+        return False  # the row's fate is a flush's now: this push id is never used again
+    write_direct(rest, using, push_id=push_id, unsettled=maybe_sent, outbox=row)
+    return False
 
 
-def _too_large(rest: dict[str, int], direct: dict[str, int], exc: ScoreLimitExceeded) -> None:
-    """Move the members Redis refused as too large from ``rest`` to ``direct``."""
-    for member in exc.members:
-        direct[member] = rest.pop(member)
+def _take_out(moved: Mapping[str, int], rest: Mapping[str, int], using: str, row: str) -> None:
+    """Write ``moved`` to the DB, leaving outbox row ``row`` with ``rest`` only, in one
+    transaction; :class:`RowTaken` if the row is gone (a flush took it) or the write failed
+    (the row keeps everything, for a flush to push after the grace)."""
+    if not write_direct(moved, using, outbox=row, keep=rest):
+        raise RowTaken(row)
+
+
+def _too_large(
+    rest: dict[str, int], direct: dict[str, int], exc: ScoreLimitExceeded
+) -> dict[str, int]:
+    """Move the members Redis refused as too large from ``rest`` to ``direct``; those moved."""
+    moved = {member: rest.pop(member) for member in exc.members}
+    direct.update(moved)
     logger.info(
         "%s deltas reach 2**53, beyond exact Redis scores; writing them to the DB: %s",
         len(exc.members),
         capped(exc.members),
     )
+    return moved
 
 
 def push_exact(
-    buffer: Buffer, rest: dict[str, int], direct: dict[str, int], push_id: PushId | str
+    buffer: Buffer,
+    rest: dict[str, int],
+    direct: dict[str, int],
+    push_id: PushId | str,
+    before_repeat: Callable[[dict[str, int]], None] | None = None,
 ) -> None:
     """Push ``rest``, moving the members Redis refuses as too large from ``rest`` to ``direct``.
 
     A refused shard added nothing, so pushing the remainder again with the
     same id completes it, while the shards that took the push ignore the repeat.
+    ``before_repeat`` is called with the members just moved, before that repeat.
     """
     for _ in range(len(rest) + 1):
         try:
             buffer.push(rest, push_id)
             return
         except ScoreLimitExceeded as exc:
-            _too_large(rest, direct, exc)
+            moved = _too_large(rest, direct, exc)
+            if before_repeat is not None:
+                before_repeat(moved)
     raise AssertionError("unreachable: every refusal removes a member")

@@ -5,12 +5,14 @@ With ``COUNTERS_DURABLE`` on, :data:`hook` is what the transactions call
 :func:`counters.write.add.add_many`): it writes the deltas of a transaction
 to an outbox row (:mod:`counters.write.outbox`) right before the real
 COMMIT, under the push id its push will use, and sends them under that id
-after it; the push deletes the row.
+after it. The writer never deletes the row: each flush runs
+:func:`drain_outbox` before it moves batches, which deletes the rows whose
+push applied in Redis in one statement.
 
-A writer that dies between COMMIT and that DELETE (SIGKILL, OOM, a lost
-host) leaves its row behind. Each flush runs :func:`drain_outbox` before it
-moves batches: a row older than ``COUNTERS_OUTBOX_GRACE`` is pushed with its
-stored push id and deleted. Redis remembers a push id for
+A writer that dies between COMMIT and its push (SIGKILL, OOM, a lost host)
+leaves a row whose push never applies: a row older than
+``COUNTERS_OUTBOX_GRACE`` is pushed by the flush with its stored push id and
+deleted. Redis remembers a push id for
 ``PUSH_MARKER_TTL_MS`` (180 s), so a push that did land before the writer
 died is not counted twice. A row older than
 :data:`counters.write.outbox.OUTBOX_SAFE_AGE` (120 s: the TTL minus a margin
@@ -155,6 +157,7 @@ def push_row(buffer: Buffer, using: str, push_id: str, age: Callable[[], timedel
 
 @dataclass
 class DrainResult:
+    cleared: int = 0  # rows whose push had applied in Redis: deleted, nothing else to do
     pushed: int = 0  # rows pushed by the flush (their writer died or could not push)
     repaired: int = 0  # rows too old to push: their members were queued for repair
     direct: int = 0  # rows (partly) written to the DB (a sum Redis cannot hold exactly)
@@ -172,9 +175,12 @@ def drain_outbox(
     grace: float | None = None,
     limit: int = DRAIN_LIMIT,
 ) -> DrainResult:
-    """Push the outbox rows older than ``grace`` seconds, each exactly once; delete them.
+    """Delete the outbox rows whose push applied; push those older than ``grace`` seconds.
 
-    Runs in the flush before it moves batches. A row too old for Redis to
+    Runs in the flush before it moves batches. First the rows whose push has
+    applied in Redis go, in one DELETE (:func:`counters.write.outbox.clear_landed`):
+    writers never delete their rows. Then each row older than ``grace`` is
+    pushed exactly once and deleted: its writer died, or could not push. A row too old for Redis to
     still remember its push id (:data:`OUTBOX_SAFE_AGE`), or refused as a
     stale push, is not pushed: its members go to the repair queue, which the
     same flush rebuilds from the truth. Raises ``RedisError`` when Redis
@@ -183,7 +189,7 @@ def drain_outbox(
     """
 
     grace = conf.outbox_grace() if grace is None else grace
-    result = DrainResult()
+    result = DrainResult(cleared=outbox.clear_landed(buffer, using, limit))
     cutoff = timezone.now() - timedelta(seconds=grace)
     due = list(
         Outbox.objects.using(using)

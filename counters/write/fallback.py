@@ -40,14 +40,19 @@ def write_direct(
     unsettled: bool = False,
     attempts: int = 3,
     outbox: str | None = None,
-) -> None:
+    keep: Mapping[str, int] | None = None,
+) -> bool:
     """Apply deltas to the DB now, recorded in the ledger as a fallback batch.
 
     Deltas whose counted row is gone are dropped (and counted), the others
     applied: a row deleted while the transaction ran fails it at COMMIT, and
     the next attempt no longer finds that row. ``outbox``: the outbox row
-    holding these deltas (durable mode), deleted in the same transaction; if
-    it is already gone (a flush pushed it), nothing is written.
+    holding these deltas (durable mode), deleted in the same transaction, or
+    left holding ``keep`` alone when that is not empty; if it is already gone
+    (a flush took it), nothing is written.
+
+    True once written; False if the outbox row was gone or the write failed
+    (logged: it never raises).
     """
 
     batch_id = f"{FALLBACK_PREFIX}{push_id or uuid.uuid4().hex}"
@@ -58,12 +63,13 @@ def write_direct(
     for attempt in range(1, attempts + 1):
         try:
             with transaction.atomic(using=using):
-                done = _write_once(deltas, using, batch_id, unsettled, outbox)
+                done = _write_once(deltas, using, batch_id, unsettled, outbox, keep)
             if manual:
                 conn.commit()
-            if done is not None:  # None: the outbox row was gone, a flush counted it
-                _written(*done, using, batch_id)
-            return
+            if done is None:  # the outbox row was gone: a flush counted it
+                return False
+            _written(*done, using, batch_id)
+            return True
         except (OperationalError, IntegrityError) as exc:
             if manual:
                 conn.rollback()
@@ -73,28 +79,36 @@ def write_direct(
                 isinstance(exc, IntegrityError)
                 and FlushBatch.objects.using(using).filter(pk=batch_id).exists()
             ):
-                return  # this write was applied already
+                return True  # this write was applied already
             if attempt == attempts:
                 logger.exception(
                     "could not write %s deltas to the DB: %r", len(deltas), capped(deltas)
                 )
-                return
+                return False
             time.sleep(0.05 * attempt)
         except Exception:
             if manual:
                 conn.rollback()
             logger.exception("could not write %s deltas to the DB: %r", len(deltas), capped(deltas))
-            return
+            return False
+    return False
 
 
 def _write_once(
-    deltas: Mapping[str, int], using: str, batch_id: str, unsettled: bool, row: str | None
+    deltas: Mapping[str, int],
+    using: str,
+    batch_id: str,
+    unsettled: bool,
+    row: str | None,
+    keep: Mapping[str, int] | None,
 ) -> tuple[Applied, dict[str, tuple[int, str]]] | None:
     """One attempt of :func:`write_direct`, inside its transaction: what was applied and
     what the database refused; None if outbox row ``row`` is gone (nothing written)."""
 
-    if row is not None and not outbox.delete(row, using):
-        return None
+    if row is not None:
+        found = outbox.update(row, keep, using) if keep else outbox.delete(row, using)
+        if not found:
+            return None
     applied, refused = apply_isolating(deltas, using)
     FlushBatch.objects.using(using).create(
         batch_id=batch_id,

@@ -3,20 +3,22 @@
 With ``COUNTERS_DURABLE`` on, the commit wrapper (:mod:`counters.write.transactions`,
 through the hook of :mod:`counters.write.durable`) writes the deltas of a
 transaction to the ``Outbox`` table inside that transaction, right before
-the real COMMIT, under the push id its push will use (:func:`write`). After
-the COMMIT the writer pushes them and deletes the row (:func:`forget`, one
-DELETE by primary key); when Redis fails, the direct write deletes the row in
-its own transaction (:func:`counters.write.fallback.write_direct`). So a
-committed change is always in exactly one of: the outbox, Redis, the counter
-rows. A row its writer left behind is pushed by the flush
-(:func:`counters.write.durable.drain_outbox`).
+the real COMMIT, under the push id its push will use (:func:`write`): the one
+statement durable mode adds to a transaction. After the COMMIT the writer
+pushes them and is done; the next flush deletes the rows whose push applied
+in Redis, many in one DELETE (:func:`clear_landed`). When Redis fails, the
+direct write deletes the row in its own transaction
+(:func:`counters.write.fallback.write_direct`). So a committed change is
+always in the outbox, in Redis, or in the counter rows, and a row whose push
+applied is never pushed or written again. A row its writer left behind is
+pushed by the flush (:func:`counters.write.durable.drain_outbox`).
 
 Each row is claimed by deleting it (``DELETE ... RETURNING``, :func:`claim_row`)
-in the transaction that pushes it: a writer's direct write deletes it first
-or finds it gone, never both count it.
+in the transaction that pushes or writes it: a writer's direct write deletes
+it first or finds it gone, never both count it.
 
-Rows not pushed yet count as buffered for the audit and the rebuild
-(:func:`held`), which would otherwise "repair" them before the flush
+Rows whose push has not applied count as buffered for the audit and the
+rebuild (:func:`held`), which would otherwise "repair" them before the flush
 pushes them. ``get_count`` does not read the outbox: a dead writer's deltas
 show after at most ``COUNTERS_OUTBOX_GRACE`` plus one flush interval.
 """
@@ -27,6 +29,7 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -36,7 +39,8 @@ from django.db.models import Count, Min
 from django.utils import timezone
 
 from counters.base import backends, conf
-from counters.buffer.store import PUSH_MARKER_TTL_MS
+from counters.buffer.store import PUSH_MARKER_TTL_MS, Buffer
+from counters.client import get_buffer
 from counters.models import Outbox
 
 logger = logging.getLogger(__name__)
@@ -78,28 +82,43 @@ def delete(push_id: str, using: str) -> bool:
     return _execute(conn, sql, [push_id], commit=manual) > 0
 
 
-def forget(push_id: str, using: str) -> None:
-    """Delete outbox row ``push_id`` once Redis acknowledged its push: the writer's last step.
-
-    Outside a transaction (right after a COMMIT), on PostgreSQL the DELETE
-    commits without waiting for its WAL flush (``synchronous_commit`` off for
-    it alone, one round trip): a DELETE lost by a database crash only leaves
-    the row for a flush to push again under the same push id, which Redis
-    ignores (or, past :data:`OUTBOX_SAFE_AGE`, for a repair from the truth).
-    That saves a second fsync per transaction.
-    """
+def update(push_id: str, deltas: Mapping[str, int], using: str) -> bool:
+    """Replace the deltas of outbox row ``push_id`` (the members a writer wrote directly
+    are gone from it), on the current transaction; False if the row is gone."""
     conn = connections[using]
-    server_side = conn.settings_dict.get("OPTIONS", {}).get("server_side_binding")
-    if conn.vendor != "postgresql" or conn.in_atomic_block or server_side:
-        delete(push_id, using)  # (server-side binding prepares one statement at a time)
-        return
     qn = conn.ops.quote_name
-    sql = (
-        "SET LOCAL synchronous_commit TO OFF; "
-        f"DELETE FROM {qn(_table())} WHERE {qn('push_id')} = %s"
+    sql = f"UPDATE {qn(_table())} SET {qn('deltas')} = %s WHERE {qn('push_id')} = %s"
+    with conn.cursor() as cursor:
+        cursor.execute(sql, [json.dumps(dict(deltas)), push_id])
+        return cursor.rowcount > 0
+
+
+def clear_landed(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int = 1000) -> int:
+    """Delete the outbox rows whose push has applied in Redis, oldest first; how many.
+
+    The flush's bulk DELETE that ends what a writer's push began: the writer
+    never deletes its row after a push (:mod:`counters.write.delivery`). A
+    row whose push applied in every shard of its members (its writer's
+    high-water mark there, :meth:`counters.buffer.intake.Intake.landed`) is
+    counted in Redis, so it goes. One that did not, or not yet, stays: its
+    writer may still push it, or write it directly (deleting it then), and
+    past the grace a flush pushes it (:func:`counters.write.durable.drain_outbox`).
+    """
+    rows = list(
+        Outbox.objects.using(using).order_by("created_at").values_list("push_id", "deltas")[:limit]
     )
-    # With autocommit on, both statements run in one implicit transaction.
-    _execute(conn, sql, [push_id], commit=not conn.get_autocommit())
+    if not rows:
+        return 0
+    landed = buffer.landed([(deltas or {}, push_id) for push_id, deltas in rows])
+    done = [
+        push_id
+        for (push_id, deltas), members in zip(rows, landed, strict=True)
+        if len(members) == len(deltas or {})
+    ]
+    if not done:
+        return 0
+    deleted, _ = Outbox.objects.using(using).filter(push_id__in=done).delete()
+    return deleted
 
 
 def _execute(conn: BaseDatabaseWrapper, sql: str, params: list, commit: bool) -> int:
@@ -144,19 +163,48 @@ def claim_row(push_id: str, using: str) -> dict[str, int] | None:
     return {str(member): int(delta) for member, delta in data.items()}
 
 
-def held(members: Iterable[str], using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:
-    """Deltas of ``members`` held in outbox rows (committed, not in Redis yet, or just pushed).
+@dataclass
+class Held:
+    """What outbox rows hold of some members (:func:`held`)."""
 
+    #: member -> sum of its deltas in rows whose push has not applied in Redis.
+    deltas: dict[str, int] = field(default_factory=dict)
+    #: Members of rows older than :data:`OUTBOX_SAFE_AGE` whose push does not show as
+    #: applied: Redis may have forgotten it; the next flush repairs them from the truth.
+    unknown: set[str] = field(default_factory=set)
+
+
+def held(members: Iterable[str], using: str = DEFAULT_DB_ALIAS) -> Held:
+    """Deltas of ``members`` held in outbox rows and not in Redis (committed, not pushed yet).
+
+    A row stays after its push until a flush deletes it (:func:`clear_landed`):
+    a member whose shard applied the row's push is counted in Redis, so it is
+    left out here.
     Reads the whole table: it holds only rows in flight.
     """
-
     wanted = set(members)
+    rows = [
+        (push_id, deltas, created)
+        for push_id, deltas, created in Outbox.objects.using(using)
+        .values_list("push_id", "deltas", "created_at")
+        .iterator()
+        if wanted.intersection(deltas or ())
+    ]
+    result = Held()
+    if not rows:
+        return result
+    landed = get_buffer(using).landed([(deltas, push_id) for push_id, deltas, _ in rows])
+    now = timezone.now()
     total: Counter[str] = Counter()
-    for deltas in Outbox.objects.using(using).values_list("deltas", flat=True).iterator():
-        for member, delta in (deltas or {}).items():
-            if member in wanted:
-                total[member] += int(delta)
-    return {member: delta for member, delta in total.items() if delta}
+    for (_, deltas, created), applied in zip(rows, landed, strict=True):
+        members = wanted.intersection(deltas).difference(applied)
+        if (now - created).total_seconds() > OUTBOX_SAFE_AGE:
+            result.unknown.update(members)
+            continue
+        for member in members:
+            total[member] += int(deltas[member])
+    result.deltas = {member: delta for member, delta in total.items() if delta}
+    return result
 
 
 def stats(using: str = DEFAULT_DB_ALIAS, now: datetime | None = None) -> tuple[int, float]:

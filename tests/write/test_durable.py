@@ -65,7 +65,9 @@ def dead_writer():
     dead.patch.undo()
 
 
-def test_the_row_is_written_in_the_transaction_and_deleted_after_the_push(make_user, monkeypatch):
+def test_the_row_is_written_in_the_transaction_and_deleted_by_the_flush_after_its_push(
+    make_user, monkeypatch
+):
     alice = make_user()
     events: list[tuple[str, str, bool]] = []
     real_push, real_write = Buffer.push, outbox.write
@@ -93,11 +95,10 @@ def test_the_row_is_written_in_the_transaction_and_deleted_after_the_push(make_u
         ("write", second),
         ("push", second),
     ]
-    assert Outbox.objects.count() == 0  # each deleted after its push
-    if connection.vendor == "postgresql":  # the DELETE's async commit was for it alone
-        with connection.cursor() as cursor:
-            cursor.execute("SHOW synchronous_commit")
-            assert cursor.fetchone() == ("on",)
+    # The writer adds one statement, the INSERT: its rows stay after their pushes ...
+    assert sorted(Outbox.objects.values_list("push_id", flat=True)) == sorted([first, second])
+    counters.flush()  # ... until a flush finds both pushes applied: within the grace
+    assert Outbox.objects.count() == 0
     assert_exact(alice)
 
 
@@ -142,15 +143,13 @@ def test_a_writer_killed_right_after_commit_is_exact_after_the_next_flush_past_t
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert truth(victim) == 3  # the change committed
     rows = list(Outbox.objects.values_list("deltas", flat=True))
-    if at == "on_commit":
-        # The push and the row's DELETE come before Django's on_commit callbacks.
-        assert rows == []
-    else:
-        assert rows == [{f"unread:{victim.pk}": 1}]  # left behind by the dead writer
+    # Writers leave their rows to the flush, dead or alive.
+    assert rows == [{f"unread:{victim.pk}": 1}]
     behind = truth(victim) - UnreadCounter.objects.get_count(victim)
     assert behind == (1 if at == "push" else 0)
-    counters.flush()  # within the grace: the row is left to its writer
-    assert Outbox.objects.count() == len(rows)
+    # Within the grace: a row whose push applied goes, one never pushed is left to its writer.
+    counters.flush()
+    assert Outbox.objects.count() == (1 if at == "push" else 0)
     past_grace()
     counters.flush()
     assert Outbox.objects.count() == 0
@@ -324,8 +323,9 @@ def test_a_manual_transaction_keeps_its_row_until_the_push(make_user):
     try:
         Notification.objects.create(recipient=alice, verb="manual")
         transaction.commit()
-        assert Outbox.objects.count() == 0
+        (row,) = Outbox.objects.all()  # committed, and pushed: the flush deletes it
         transaction.commit()
+        assert get_buffer().landed([(row.deltas, row.push_id)]) == [set(row.deltas)]
     finally:
         transaction.set_autocommit(True)
     assert_exact(alice)
@@ -354,6 +354,8 @@ def test_a_commit_slower_than_the_grace_claims_its_row_before_pushing(
         transaction.set_autocommit(True)
     Notification.objects.create(recipient=alice, verb="autocommit")  # not late: no transaction
     assert len(late) == 2
+    assert Outbox.objects.count() == 1  # the late ones claimed theirs; the last is pushed
+    counters.flush()
     assert Outbox.objects.count() == 0
     assert_exact(alice)
 
@@ -395,16 +397,131 @@ def test_a_delta_beyond_exact_scores_is_written_directly_once(settings, make_use
     with transaction.atomic():
         counters.add("unread", alice.pk, 2**60)
         counters.add("unread", bob.pk, 5)
-    assert Outbox.objects.count() == 0
     fallbacks = FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK)
-    # Up: the huge delta alone goes to the DB. Down: one direct write of both, row deleted.
-    assert list(fallbacks.values_list("keys", flat=True)) == [1 if redis_up else 2]
+    # The huge delta alone goes to the DB first, taken out of the row before the push of the
+    # rest; Redis down, the rest follows it in a second direct write, which deletes the row.
+    assert list(fallbacks.values_list("keys", flat=True)) == ([1] if redis_up else [1, 1])
     if not redis_up:  # everything is in the rows already
+        assert Outbox.objects.count() == 0
         assert (stored(alice), stored(bob)) == (2**60, 5)
         return
+    assert list(Outbox.objects.values_list("deltas", flat=True)) == [{f"unread:{bob.pk}": 5}]
     assert exact_value(alice.pk) == 2**60
     assert exact_value(bob.pk) == 5
     past_grace()
     counters.flush()
     assert UnreadCounter.objects.get(user=alice).count == 2**60
     assert UnreadCounter.objects.get(user=bob).count == 5
+
+
+def users_in_one_shard(make_user, count: int = 2) -> list:
+    """``count`` users whose unread members fall in one shard of the buffer."""
+    buffer = get_buffer()
+    by_shard: dict[int, list] = {}
+    while True:
+        user = make_user()
+        group = by_shard.setdefault(buffer.shard_of(f"unread:{user.pk}"), [])
+        group.append(user)
+        if len(group) == count:
+            return group
+
+
+def users_in_two_shards(make_user) -> list:
+    buffer = get_buffer()
+    first = make_user()
+    while True:
+        other = make_user()
+        if buffer.shard_of(f"unread:{other.pk}") != buffer.shard_of(f"unread:{first.pk}"):
+            return [first, other]
+
+
+def test_the_flush_deletes_a_row_only_once_its_push_applied_in_every_shard(make_user, dead_writer):
+    alice, bob = users_in_two_shards(make_user)
+    with dead_writer, transaction.atomic():
+        Notification.objects.create(recipient=alice, verb="a")
+        Notification.objects.create(recipient=bob, verb="b")
+    (row,) = Outbox.objects.all()
+    assert set(row.deltas) == {f"unread:{alice.pk}", f"unread:{bob.pk}"}
+    buffer = get_buffer()
+    # The writer's push reached alice's shard only, then it died.
+    buffer.push({f"unread:{alice.pk}": 1}, row.push_id)
+    assert buffer.landed([(row.deltas, row.push_id)]) == [{f"unread:{alice.pk}"}]
+    assert durable.drain_outbox(buffer, "default").cleared == 0  # within the grace
+    assert Outbox.objects.count() == 1
+    # Nor do the audit's readings count alice twice: the row holds bob's delta alone.
+    assert outbox.held(row.deltas, "default").deltas == {f"unread:{bob.pk}": 1}
+    buffer.push({f"unread:{bob.pk}": 1}, row.push_id)  # the rest of the same push
+    assert buffer.landed([(row.deltas, row.push_id)]) == [set(row.deltas)]
+    assert outbox.held(row.deltas, "default").deltas == {}
+    assert durable.drain_outbox(buffer, "default").cleared == 1  # still within the grace
+    assert Outbox.objects.count() == 0
+    counters.flush()
+    assert_exact(alice, bob)
+
+
+def test_a_row_whose_push_applied_is_no_drift_for_the_rebuild_before_the_flush(make_user):
+    users = [make_user() for _ in range(3)]
+    for user in users:
+        Notification.objects.create(recipient=user, verb="pushed, row kept")
+    assert Outbox.objects.count() == 3  # each pushed; no flush has run
+    report = rebuild("unread", confirm_delay=0.05)
+    # Counting the rows as buffered too would read 2 for 1 and "repair" them.
+    assert (report.wrong, report.repaired, report.unstable) == ([], 0, [])
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    assert_exact(*users)
+
+
+def test_a_row_too_old_to_tell_proves_nothing_to_the_rebuild(make_user, dead_writer):
+    alice = make_user()
+    with dead_writer, transaction.atomic():
+        Notification.objects.create(recipient=alice, verb="a")
+    old = timezone.now() - timedelta(seconds=outbox.OUTBOX_SAFE_AGE + 5)
+    Outbox.objects.update(created_at=old)
+    assert outbox.held([f"unread:{alice.pk}"], "default").unknown == {f"unread:{alice.pk}"}
+    report = rebuild("unread", confirm_delay=0.01)
+    assert (report.wrong, report.repaired, report.unstable) == ([], 0, [alice.pk])
+    counters.flush()  # the flush queues it for repair and rebuilds it from the truth
+    # (The repair's own row, pushed, waits for the next flush.)
+    assert outbox.held([f"unread:{alice.pk}"], "default") == outbox.Held()
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    assert stored(alice) == truth(alice) == 1
+    assert_exact(alice)
+
+
+def test_a_sum_beyond_exact_scores_leaves_the_row_before_the_rest_is_pushed(
+    settings, make_user, monkeypatch
+):
+    alice, bob = users_in_one_shard(make_user)
+    near = 2**53 - 3
+    with transaction.atomic():
+        counters.add("unread", alice.pk, near)  # in Redis, just below the limit
+    counters.flush()
+    with transaction.atomic():
+        counters.add("unread", alice.pk, near)  # pending again: the next +5 cannot fit
+    pushes: list[tuple[dict, list]] = []
+    real_push = Buffer.push
+
+    def push(self, deltas, push_id):
+        rows = [dict(d) for d in Outbox.objects.values_list("deltas", flat=True)]
+        pushes.append((dict(deltas), rows))
+        return real_push(self, deltas, push_id)
+
+    monkeypatch.setattr(Buffer, "push", push)
+    with transaction.atomic():
+        counters.add("unread", alice.pk, 5)
+        counters.add("unread", bob.pk, 7)
+    a, b = f"unread:{alice.pk}", f"unread:{bob.pk}"
+    # Their shard refused the first push whole; alice's +5 went to the DB, out of the row,
+    # before the repeat that completes the push (and would let a flush delete the row).
+    ((first, before_first), (repeat, before_repeat)) = pushes
+    assert first == {a: 5, b: 7} and before_first[-1] == {a: 5, b: 7}
+    assert repeat == {b: 7} and before_repeat[-1] == {b: 7}
+    fallbacks = FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK)
+    assert list(fallbacks.values_list("keys", "deltas")) == [(1, 5)]
+    assert exact_value(alice.pk) == 2 * near + 5
+    assert exact_value(bob.pk) == 7
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    assert UnreadCounter.objects.get(user=bob).count == 7
