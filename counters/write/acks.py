@@ -195,26 +195,38 @@ def task_ended(**kwargs: object) -> None:
     acknowledge()
 
 
-def send(deltas: Mapping[str, int], using: str, buffer: Buffer, complete: Complete) -> bool:
+def send(
+    deltas: Mapping[str, int],
+    using: str,
+    buffer: Buffer,
+    complete: Complete,
+    push_id: PushId | None = None,
+) -> bool:
     """Write the push of committed ``deltas`` to ``buffer`` now and read its reply later.
 
     False if this push must be waited on instead: a Redis Cluster, a member
     too large for a score, nothing to push, or a web process serving requests
     without :class:`~counters.middleware.AcknowledgeMiddleware`. Otherwise its
     push id ends when the reply is read, or ``complete`` ends it (also when
-    the push could not be written).
+    the push could not be written). ``push_id``: an id allocated by the
+    caller (an outbox row's); by default a new one, released here if the
+    push is not written.
     """
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
-    push_id = pushids.allocate()
+    own = push_id is None
+    if push_id is None:
+        push_id = pushids.allocate()
     try:
         plan = buffer.plan_push(deltas, push_id)
         acks = _acks_of_thread(using, buffer) if plan.calls and not plan.refused else None
     except BaseException:
-        pushids.release(push_id)  # never sent
+        if own:
+            pushids.release(push_id)  # never sent
         raise
     if acks is None:
-        pushids.release(push_id)  # never sent: the caller waits on its push
+        if own:
+            pushids.release(push_id)  # never sent: the caller waits on its push
         return False
     failed = acks.send(Waiting(plan, push_id, deltas, using, complete))
     if failed:

@@ -62,20 +62,25 @@ def send(
 
     Never raises: it runs after COMMIT, where the request has already
     succeeded. Deltas with a push id of their own (an outbox row's, in durable
-    mode) are always pushed now, under that id: a later push of the row by a
-    flush must find it applied.
+    mode) never wait in the sender's queue: they are pushed now, under that
+    id (their reply read later with ``COUNTERS_DEFER_ACKS``), so that a later
+    push of the row by a flush finds it applied.
     """
     buffer = get_buffer(using)
     if any(deltas.values()):
         # In the committing thread, before any push: the DB knows the layout and the
         # shards' epochs (not in the sender's thread, which has no connection of its own).
         ensure_recorded(buffer, using)
+    switches = conf.write_switches()
     if push_id is None and not outbox:
-        switches = conf.write_switches()
         if switches.send_delay > 0 and sender.enqueue(deltas, using, push_now):
             return
         if switches.defer_acks and acks.send(deltas, using, buffer, complete):
             return  # its reply is read later; ``complete`` finishes it if it failed
+    elif outbox and push_id is not None and switches.defer_acks:
+        held = PushId.of(push_id)
+        if acks.send(deltas, using, buffer, complete_held, push_id=held):
+            return  # as above; the flush deletes the row once the push applied
     push_now(deltas, using, push_id=push_id, outbox=outbox)
 
 
@@ -127,6 +132,19 @@ def complete(deltas: Mapping[str, int], using: str, push_id: PushId, failed: Bas
     resolved = False
     try:
         resolved = _send(deltas, using, push_id, False, failed=failed)
+    except Exception:
+        logger.exception("could not complete push %s", push_id)
+    finally:
+        pushids.finish(push_id, resolved)
+
+
+def complete_held(
+    deltas: Mapping[str, int], using: str, push_id: PushId, failed: BaseException
+) -> None:
+    """:func:`complete` for deltas held in outbox row ``push_id`` (durable mode)."""
+    resolved = False
+    try:
+        resolved = _send_held(deltas, using, push_id, failed)
     except Exception:
         logger.exception("could not complete push %s", push_id)
     finally:

@@ -231,3 +231,60 @@ def test_with_the_setting_off_every_commit_waits(settings, make_user):
     Notification.objects.create(recipient=alice, verb="x")
     assert acks._lines() == []
     assert in_redis(alice) == 1
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_durable_pushes_are_acknowledged_later_and_their_rows_left_to_the_flush(
+    settings, make_user
+):
+    from django.db import transaction
+
+    from counters.models import Outbox
+    from counters.write import outbox
+
+    settings.COUNTERS_DURABLE = True
+    alice, bob = make_user(), make_user()
+    for i in range(2):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    with transaction.atomic():
+        Notification.objects.create(recipient=bob, verb="in a transaction")
+    assert waiting() == 3  # no COMMIT waited for its reply
+    assert Outbox.objects.count() == 3
+    acks.acknowledge()
+    members = [f"unread:{alice.pk}", f"unread:{bob.pk}"]
+    assert outbox.held(members, "default") == outbox.Held()  # every push applied
+    assert in_redis(alice) == truth(alice) == 2
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    assert fallbacks() == 0
+    assert_exact(alice, bob)
+
+
+def test_a_durable_push_whose_reply_fails_is_written_directly_with_its_row(
+    settings, own_redis, make_user
+):
+    from counters.models import Outbox
+
+    settings.COUNTERS_DURABLE = True
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="before")
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    member = f"unread:{alice.pk}"
+    buffer = get_buffer()
+    pending = buffer.key(buffer.shard_of(member), "pending")
+    client = own_redis.client()
+    try:
+        client.delete(pending)
+        client.set(pending, "not a sorted set")  # every push to the shard fails: WRONGTYPE
+        Notification.objects.create(recipient=alice, verb="refused")
+        assert Outbox.objects.count() == 1
+        acks.acknowledge()
+        assert fallbacks() == 1
+        assert Outbox.objects.count() == 0  # deleted by the direct write
+        assert stored(alice) == truth(alice) == 2
+        client.delete(pending)
+    finally:
+        client.close()
+    Notification.objects.create(recipient=alice, verb="after")
+    assert_exact(alice)
