@@ -27,6 +27,7 @@ from counters.flushing.result import FlushResult
 from counters.ops.fanout import flush_part, partition
 from counters.read.values import _read_rows as read_rows
 from counters.write.apply import CHUNK
+from counters.write.outbox import clear_landed
 from counters.write.transactions import unsent
 
 #: A Redis client as ``counters.get_client()`` returns it: one server or a cluster.
@@ -40,6 +41,7 @@ __all__ = [
     "FlushResult",
     "RedisClient",
     "batched",
+    "clear_landed",
     "column",
     "conf",
     "first_line",

@@ -29,6 +29,8 @@ RATIOS = (
     ("floor", "tally"),
     ("floor", "trigger"),
     ("tally", "floor"),
+    ("floor_durable", "off"),
+    ("durable", "floor_durable"),
 )
 
 

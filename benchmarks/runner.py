@@ -107,7 +107,7 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
     modes = tuple(
         m
         for m in MODES
-        if (m != "trigger" or counter_trigger is not None) and (m != "floor" or floor)
+        if (m != "trigger" or counter_trigger is not None) and (not m.startswith("floor") or floor)
     )
     if not floor:
         progress("writes: no floor mode: it needs plain Redis over TCP")
@@ -124,7 +124,7 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
     result["by_processes"] = by_count
     _checks(result, buffer, ops, counter_trigger, skipped)
     if floor:
-        _floor_check(result, buffer, ops["floor"])
+        _floor_check(result, buffer, ops["floor"] + ops["floor_durable"])
     return result
 
 
@@ -146,17 +146,25 @@ def _checks(
     counter_trigger: trigger.CounterTrigger | None,
     skipped: str | None,
 ) -> None:
-    """Every counted insert was counted once: in Redis (tally, durable, sender, waited), no outbox
-    row left; by the trigger, each user's row grew by that user's unread inserts."""
+    """Every counted insert was counted once: in Redis (tally, durable, sender, waited), every
+    outbox row's push applied (what the next flush deletes); by the trigger, each user's row
+    grew by that user's unread inserts."""
     from counters.models import Outbox
+
+    from .internals import clear_landed
 
     pending = pending_total(buffer)
     result["tally_ops"] = ops["tally"] + ops["waited"]
     result["durable_ops"] = ops["durable"] + ops["sender"]
     result["tally_pending_deltas"] = pending
+    cleared = 0
+    while batch := clear_landed(buffer, limit=10_000):
+        cleared += batch
+    result["outbox_rows_applied"] = cleared
     result["outbox_rows_left"] = Outbox.objects.count()
     result["tally_deltas_match"] = (
         pending == sum(ops[m] for m in ("tally", "durable", "sender", "waited"))
+        and cleared == ops["durable"]  # one row per durable insert, its push applied
         and result["outbox_rows_left"] == 0
     )
     if counter_trigger is None:

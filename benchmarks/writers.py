@@ -20,6 +20,11 @@ Modes:
   insert of ``off``, then one pre-encoded ``INCR`` sent to Redis on a socket of
   its own after the COMMIT, its replies read 50 at a time (:class:`Floor`). No
   Python of Tally's and no Lua: what it adds to ``off`` is the send alone.
+- ``floor_durable``: the least durable mode can do for the same insert (a change
+  without a transaction): the insert of ``off``, the INSERT of one outbox row
+  of the same shape as Tally's (its own statement, committed before the push),
+  then the send of ``floor`` (:func:`durable_floor`). Its rows are deleted after
+  each run, outside its time.
 
 Each writer is a spawned process with its own database connection and Redis
 client, set up once and then driven over a pipe: every run starts at the same
@@ -34,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+import os
 import random
 import socket
 import time
@@ -46,7 +52,17 @@ from .child import ChildContext
 from .config import SENDER_DELAY_MS
 from .errors import BenchError
 
-MODES = ("off", "naive", "trigger", "tally", "durable", "sender", "waited", "floor")
+MODES = (
+    "off",
+    "naive",
+    "trigger",
+    "tally",
+    "durable",
+    "sender",
+    "waited",
+    "floor",
+    "floor_durable",
+)
 #: The value of COUNTERS_DURABLE each mode runs with (the others do not count through Tally).
 DURABLE = {"tally": False, "durable": True}
 #: Modes that wait for each push's reply after the COMMIT (``COUNTERS_DEFER_ACKS`` off).
@@ -153,6 +169,10 @@ class Floor:
         if self.unread >= self.WINDOW:
             self.read_replies()
 
+    def finish(self) -> None:
+        """After a run, outside its time: read the replies still unread."""
+        self.read_replies()
+
     def read_replies(self) -> None:
         """Read the reply of every command sent (one line each: ``:<n>``)."""
         seen = 0
@@ -162,6 +182,40 @@ class Floor:
                 raise BenchError("Redis closed the floor mode's connection")
             seen += chunk.count(b"\n")
         self.unread = 0
+
+
+class DurableFloor(Floor):
+    """The ``floor_durable`` mode: :class:`Floor` whose insert also INSERTs an outbox row."""
+
+    #: Push ids of its rows start so; :meth:`finish` deletes them.
+    ROW_PREFIX = "bench-floor-"
+
+    def __init__(self, insert: Callable[[int], None]) -> None:
+        super().__init__(self._insert_and_row)
+        self.plain = insert
+        self.seq = 0
+        self.writer = f"{self.ROW_PREFIX}{os.getpid()}"
+
+    def _insert_and_row(self, uid: int) -> None:
+        from django.db import connection
+        from django.utils import timezone
+
+        self.plain(uid)
+        self.seq += 1
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO counters_outbox (push_id, deltas, created_at) VALUES (%s, %s, %s)",
+                [f"{self.writer}:{self.seq}", f'{{"floor:{uid}": 1}}', timezone.now()],
+            )
+
+    def finish(self) -> None:
+        from django.db import connection
+
+        super().finish()
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DELETE FROM counters_outbox WHERE push_id LIKE %s", [f"{self.ROW_PREFIX}%"]
+            )
 
 
 def floor_address(client: Any) -> tuple[str, int] | None:
@@ -218,6 +272,7 @@ def operations() -> dict[str, Callable[[int], None]]:
     # trigger: the insert of off; the trigger the bench installs for the run counts it
     return {
         "floor": Floor(off),
+        "floor_durable": DurableFloor(off),
         "off": off,
         "naive": naive,
         "trigger": off,
@@ -281,7 +336,8 @@ def writer_main(
             cpu = time.process_time()
             done = perform(run, ops[run.mode], pickers[run.workload])
             counters.push_queued()  # the queue's tail, before the next run
-            ops["floor"].read_replies()  # type: ignore[attr-defined]
+            ops["floor"].finish()  # type: ignore[attr-defined]
+            ops["floor_durable"].finish()  # type: ignore[attr-defined]
             done = replace(done, cpu_s=time.process_time() - cpu)
             conn.send(("done", done))
         except Exception as exc:

@@ -6,7 +6,17 @@ WORKLOADS = ("spread", "hot")
 #: Write modes beside off / naive / trigger / tally, each shown as its ratio to off and to tally.
 EXTRA_MODES = ("durable", "sender", "waited", "floor")
 #: Columns of the cost table, in the order of ``benchmarks.writers.MODES``.
-COST_MODES = ("off", "naive", "trigger", "tally", "durable", "sender", "waited", "floor")
+COST_MODES = (
+    "off",
+    "naive",
+    "trigger",
+    "tally",
+    "durable",
+    "sender",
+    "waited",
+    "floor",
+    "floor_durable",
+)
 COSTS = (
     ("writer CPU µs", "writer_cpu_us"),
     ("backend CPU µs", "backend_cpu_us"),
@@ -123,7 +133,9 @@ def _floor(by_count: dict) -> list[str]:
     lines = [
         "",
         "floor: the insert and one command sent to Redis after the COMMIT, nothing else:",
-        f"{'procs':<6}{'workload':<9}{'floor/off':>10}{'floor/trigger':>14}{'tally/floor':>12}",
+        "floor_durable: the same with one outbox row INSERTed between them (durable mode's):",
+        f"{'procs':<6}{'workload':<9}{'floor/off':>10}{'floor/trigger':>14}{'tally/floor':>12}"
+        f"{'floor_durable/off':>18}{'durable/floor_durable':>22}",
     ]
     for count, result in by_count.items():
         for name in WORKLOADS:
@@ -133,6 +145,8 @@ def _floor(by_count: dict) -> list[str]:
                 + _get(r, "floor_off", 10, 2)
                 + _get(r, "floor_trigger", 14, 2)
                 + _get(r, "tally_floor", 12, 2)
+                + _get(r, "floor_durable_off", 18, 2)
+                + _get(r, "durable_floor_durable", 22, 2)
             )
     return lines
 
@@ -147,7 +161,8 @@ def _costs(by_count: dict) -> list[str]:
         "cost per insert, over every recorded run: writer CPU (the writer processes, every "
         "thread), PostgreSQL backend CPU (the writers' backends, /proc/<pid>/stat), WAL bytes "
         "(pg_current_wal_lsn, the whole server's); n/a: not measurable here",
-        f"{'procs':<6}{'workload':<9}{'per insert':<16}" + "".join(f"{m:>9}" for m in modes),
+        f"{'procs':<6}{'workload':<9}{'per insert':<16}"
+        + "".join(f"{m:>{_width(m)}}" for m in modes),
     ]
     for count, result in by_count.items():
         for name in WORKLOADS:
@@ -155,8 +170,13 @@ def _costs(by_count: dict) -> list[str]:
             for label, figure in COSTS:
                 lines.append(
                     f"{count:<6}{name:<9}{label:<16}"
-                    + "".join(_get(r, f"{m}_{figure}", 9, 1) for m in modes)
+                    + "".join(_get(r, f"{m}_{figure}", _width(m), 1) for m in modes)
                 )
     reasons = sorted({r["backend_cpu_na"] for r in by_count.values() if r.get("backend_cpu_na")})
     lines += [f"backend CPU n/a: {reason}" for reason in reasons]
     return lines
+
+
+def _width(mode: str) -> int:
+    """Characters of a mode's column in the cost table."""
+    return max(9, len(mode) + 1)

@@ -136,7 +136,8 @@ def main() -> int:
             for _ in range(args.inserts):
                 op(user.pk)
             counters.push_queued()
-            floor.read_replies()  # type: ignore[attr-defined]
+            floor.finish()  # type: ignore[attr-defined]
+            ops["floor_durable"].finish()  # type: ignore[attr-defined]
             after = clocks()
             spent = (b - a for a, b in zip(before, after, strict=True))
             results[mode].append(tuple(t / args.inserts for t in spent))
