@@ -35,7 +35,7 @@ from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Count, Min
+from django.db.models import Count, Min, Q
 from django.utils import timezone
 
 from counters.base import backends, conf
@@ -103,22 +103,33 @@ def clear_landed(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int = 100
     counted in Redis, so it goes. One that did not, or not yet, stays: its
     writer may still push it, or write it directly (deleting it then), and
     past the grace a flush pushes it (:func:`counters.write.durable.drain_outbox`).
+
+    Reads ``limit`` rows at a time (one Redis round trip and one DELETE
+    each) until it has seen every row.
     """
-    rows = list(
-        Outbox.objects.using(using).order_by("created_at").values_list("push_id", "deltas")[:limit]
-    )
-    if not rows:
-        return 0
-    landed = buffer.landed([(deltas or {}, push_id) for push_id, deltas in rows])
-    done = [
-        push_id
-        for (push_id, deltas), members in zip(rows, landed, strict=True)
-        if len(members) == len(deltas or {})
-    ]
-    if not done:
-        return 0
-    deleted, _ = Outbox.objects.using(using).filter(push_id__in=done).delete()
-    return deleted
+    table = Outbox.objects.using(using).order_by("created_at", "push_id")
+    deleted = 0
+    after: tuple[datetime, str] | None = None
+    while True:
+        page = table
+        if after is not None:
+            page = page.filter(
+                Q(created_at__gt=after[0]) | Q(created_at=after[0], push_id__gt=after[1])
+            )
+        rows = list(page.values_list("push_id", "deltas", "created_at")[:limit])
+        if not rows:
+            return deleted
+        landed = buffer.landed([(deltas or {}, push_id) for push_id, deltas, _ in rows])
+        done = [
+            push_id
+            for (push_id, deltas, _), members in zip(rows, landed, strict=True)
+            if len(members) == len(deltas or {})
+        ]
+        if done:
+            deleted += Outbox.objects.using(using).filter(push_id__in=done).delete()[0]
+        if len(rows) < limit:
+            return deleted
+        after = (rows[-1][2], rows[-1][0])
 
 
 def _execute(conn: BaseDatabaseWrapper, sql: str, params: list, commit: bool) -> int:

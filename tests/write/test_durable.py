@@ -525,3 +525,21 @@ def test_a_sum_beyond_exact_scores_leaves_the_row_before_the_rest_is_pushed(
     counters.flush()
     assert Outbox.objects.count() == 0
     assert UnreadCounter.objects.get(user=bob).count == 7
+
+
+def test_the_flush_deletes_every_applied_row_page_by_page(make_user, dead_writer):
+    users = [make_user() for _ in range(5)]
+    for user in users[:2]:
+        Notification.objects.create(recipient=user, verb="pushed")
+    with dead_writer, transaction.atomic():
+        Notification.objects.create(recipient=users[0], verb="never pushed")
+    for user in users[2:]:
+        Notification.objects.create(recipient=user, verb="pushed")
+    assert Outbox.objects.count() == 6
+    # Two rows a page: past the row that stays (the third oldest), every applied row goes.
+    assert outbox.clear_landed(get_buffer(), "default", limit=2) == 5
+    assert Outbox.objects.count() == 1
+    past_grace()
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    assert_exact(*users)
