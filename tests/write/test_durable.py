@@ -547,3 +547,17 @@ def test_the_flush_deletes_every_applied_row_page_by_page(make_user, dead_writer
     counters.flush()
     assert Outbox.objects.count() == 0
     assert_exact(*users)
+
+
+def test_applied_rows_go_and_hold_nothing_on_every_backend(redis_backend, make_user):
+    alice, bob = users_in_two_shards(make_user)
+    with transaction.atomic():
+        Notification.objects.create(recipient=alice, verb="a")
+        Notification.objects.create(recipient=bob, verb="b")
+    (row,) = Outbox.objects.all()
+    # One read of both shards' marks (on a cluster, of the masters that hold them).
+    assert get_buffer().landed([(row.deltas, row.push_id)]) == [set(row.deltas)]
+    assert outbox.held(row.deltas, "default") == outbox.Held()
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    assert_exact(alice, bob)
