@@ -67,7 +67,7 @@ from counters.flushing.settle import settle_fallbacks
 from counters.flushing.shard import flush_buffer
 from counters.ops.run import LAYOUT_PENDING_MESSAGE, added_up, needed_since, repair_and_rebuild
 from counters.read import backfill
-from counters.write.durable import drain_outbox
+from counters.write.durable import clear_applied, drain_outbox
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ def flush_part(
                 lease_timeout=conf.lease_timeout(),
                 retention=None,
             )
+        clear_applied(buffer, using)  # durable mode: rows of pushes this part counted
         result.rebuild_needed_since = needed_since(buffer, using)
         record_part(buffer, run, index, parts, chosen, result)
     except RedisError as exc:

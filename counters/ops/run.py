@@ -34,7 +34,7 @@ from counters.read import backfill
 from counters.verify.hold import rebuild_lease, wait_for_audit
 from counters.verify.rebuild import rebuild_all, rebuild_backfilling, repair_queued
 from counters.write import sender
-from counters.write.durable import drain_outbox
+from counters.write.durable import clear_applied, drain_outbox
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ def _flush_one(
             lease_timeout=conf.lease_timeout(),
             retention=conf.ledger_retention(),
         )
+        clear_applied(buffer, using)  # durable mode: rows of pushes this flush counted
         layout.drain_retired(
             buffer,
             using,

@@ -212,6 +212,19 @@ def drain_outbox(
     return result
 
 
+def clear_applied(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> int:
+    """After a flush's move and apply: delete the outbox rows whose push applied meanwhile.
+
+    :func:`drain_outbox` runs before the move; a push that applies between
+    the two may have been moved and counted by this flush already. Its row
+    must not outlive it by a flush interval: if Redis then lost its data (the
+    push's mark with it), the row would look unpushed and be pushed again.
+    Deleted here, it outlives its count by milliseconds, as when each writer
+    deleted its own. Returns how many rows went.
+    """
+    return outbox.clear_landed(buffer, using)
+
+
 def _age_since(created_at: datetime) -> Callable[[], timedelta]:
     return lambda: timezone.now() - created_at
 

@@ -561,3 +561,39 @@ def test_applied_rows_go_and_hold_nothing_on_every_backend(redis_backend, make_u
     counters.flush()
     assert Outbox.objects.count() == 0
     assert_exact(alice, bob)
+
+
+def test_a_push_the_flush_counted_after_its_drain_leaves_no_row_behind(make_user, monkeypatch):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="pushed after the drain")
+    assert Outbox.objects.count() == 1
+    # The drain at the start of the flush runs before this push applies ...
+    monkeypatch.setattr("counters.ops.run.drain_outbox", lambda *args, **kwargs: None)
+    counters.flush()
+    # ... and the flush moves and counts it: its row goes with that flush, not the next one.
+    assert stored(alice) == truth(alice) == 1
+    assert Outbox.objects.count() == 0
+    assert_exact(alice)
+
+
+def test_each_part_of_a_parallel_flush_leaves_no_row_of_what_it_counted(
+    settings, make_user, monkeypatch
+):
+    from config.celery import app
+    from counters import tasks
+
+    settings.COUNTERS_FLUSH_PARALLELISM = 4
+    users = [make_user() for _ in range(12)]
+    for user in users:
+        Notification.objects.create(recipient=user, verb="pushed after the drain")
+    assert Outbox.objects.count() == 12
+    monkeypatch.setattr("counters.ops.fanout.drain_outbox", lambda *args, **kwargs: None)
+    eager = app.conf.task_always_eager
+    app.conf.task_always_eager = True  # the parts run inline
+    try:
+        tasks.flush_counters()  # four parts, each clearing the rows it counted
+    finally:
+        app.conf.task_always_eager = eager
+    assert Outbox.objects.count() == 0
+    assert [stored(u) for u in users] == [truth(u) for u in users] == [1] * 12
+    assert_exact(*users)
