@@ -230,6 +230,8 @@ def _send_held(
     maybe_sent = False
     try:
         moved = {m: rest.pop(m) for m in [m for m, d in rest.items() if abs(d) >= SCORE_LIMIT]}
+        if moved:
+            logger.info("%s deltas reach 2**53; writing them to the DB", len(moved))
         if isinstance(failed, ScoreLimitExceeded):
             moved.update(_too_large(rest, {}, failed))
         elif failed is not None:

@@ -119,11 +119,14 @@ def clear_landed(buffer: Buffer, using: str = DEFAULT_DB_ALIAS, limit: int = 100
         rows = list(page.values_list("push_id", "deltas", "created_at")[:limit])
         if not rows:
             return deleted
-        landed = buffer.landed([(deltas or {}, push_id) for push_id, deltas, _ in rows])
+        pushed = [[m for m, delta in (deltas or {}).items() if delta] for _, deltas, _ in rows]
+        landed = buffer.landed(
+            [(members, push_id) for members, (push_id, _, _) in zip(pushed, rows, strict=True)]
+        )
         done = [
             push_id
-            for (push_id, deltas, _), members in zip(rows, landed, strict=True)
-            if len(members) == len(deltas or {})
+            for (push_id, _, _), members, applied in zip(rows, pushed, landed, strict=True)
+            if len(applied) == len(members)
         ]
         if done:
             deleted += Outbox.objects.using(using).filter(push_id__in=done).delete()[0]
