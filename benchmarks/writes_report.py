@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
+from .writers import MODES
+
 WORKLOADS = ("spread", "hot")
 #: Write modes beside off / naive / trigger / tally, each shown as its ratio to off and to tally.
 EXTRA_MODES = ("durable", "sender", "waited", "floor")
-#: Columns of the cost table, in the order of ``benchmarks.writers.MODES``.
-COST_MODES = (
-    "off",
-    "naive",
-    "trigger",
-    "tally",
-    "durable",
-    "sender",
-    "waited",
-    "floor",
-    "floor_durable",
-)
+#: Columns of the cost table: every mode of the writers.
+COST_MODES = MODES
 COSTS = (
     ("writer CPU µs", "writer_cpu_us"),
     ("backend CPU µs", "backend_cpu_us"),

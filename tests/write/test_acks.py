@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from django.db import connections
@@ -47,6 +49,21 @@ def waiting() -> int:
 
 def fallbacks() -> int:
     return FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK).count()
+
+
+@contextmanager
+def refused_shard(own_redis, user) -> Iterator[None]:
+    """Every push to ``user``'s shard fails (WRONGTYPE) until the block ends."""
+    buffer = get_buffer()
+    pending = buffer.key(buffer.shard_of(f"unread:{user.pk}"), "pending")
+    client = own_redis.client()
+    try:
+        client.delete(pending)
+        client.set(pending, "not a sorted set")
+        yield
+        client.delete(pending)
+    finally:
+        client.close()
 
 
 @pytest.fixture
@@ -175,20 +192,11 @@ def test_an_error_reply_read_later_is_completed_in_the_db_and_counts_once(own_re
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="before")
     counters.flush()
-    member = f"unread:{alice.pk}"
-    buffer = get_buffer()
-    pending = buffer.key(buffer.shard_of(member), "pending")
-    client = own_redis.client()
-    try:
-        client.delete(pending)
-        client.set(pending, "not a sorted set")  # every push to the shard fails: WRONGTYPE
+    with refused_shard(own_redis, alice):
         Notification.objects.create(recipient=alice, verb="refused")
         acks.acknowledge()
         assert fallbacks() == 1
         assert stored(alice) == truth(alice) == 2  # the refused push's +1, written directly
-        client.delete(pending)
-    finally:
-        client.close()
     Notification.objects.create(recipient=alice, verb="after")
     assert_exact(alice)
 
@@ -270,21 +278,12 @@ def test_a_durable_push_whose_reply_fails_is_written_directly_with_its_row(
     Notification.objects.create(recipient=alice, verb="before")
     counters.flush()
     assert Outbox.objects.count() == 0
-    member = f"unread:{alice.pk}"
-    buffer = get_buffer()
-    pending = buffer.key(buffer.shard_of(member), "pending")
-    client = own_redis.client()
-    try:
-        client.delete(pending)
-        client.set(pending, "not a sorted set")  # every push to the shard fails: WRONGTYPE
+    with refused_shard(own_redis, alice):
         Notification.objects.create(recipient=alice, verb="refused")
         assert Outbox.objects.count() == 1
         acks.acknowledge()
         assert fallbacks() == 1
         assert Outbox.objects.count() == 0  # deleted by the direct write
         assert stored(alice) == truth(alice) == 2
-        client.delete(pending)
-    finally:
-        client.close()
     Notification.objects.create(recipient=alice, verb="after")
     assert_exact(alice)
