@@ -317,6 +317,7 @@ def run(
                 progress(f"setup: {users_needed:,} bench users {prefix}-u* with counter rows")
                 users = data.create_users(prefix, users_needed)
                 data.create_counters(prefix)
+                data.analyze_after_setup()
                 for name in sections:
                     started = time.perf_counter()
                     section = SECTION_RUNNERS[name](config, buffer, users, progress)
