@@ -103,6 +103,18 @@ def prepared(spec: CounterSpec, keyed: Mapping[Any, int], conn) -> dict[Any, Any
     return {field.get_db_prep_value(key, conn): key for key in keyed}
 
 
+def pg_array(values: list) -> Any:
+    """``values`` as a parameter for a ``%s::<type>[]`` cast: integers as an array literal.
+
+    psycopg adapts a list element by element in Python, a fifth of a flush's
+    time for batches of 5000; the literal is one string, joined in C.
+    Other values (text, UUIDs) are left to psycopg, which quotes them.
+    """
+    if all(type(value) is int for value in values):
+        return "{" + ",".join(map(str, values)) + "}"
+    return values
+
+
 def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tuple[set, int]:
     """One ``UPDATE … FROM unnest(keys, deltas)`` per batch; the upsert for rows it missed.
 
@@ -133,7 +145,8 @@ def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) ->
         f"SELECT d.k FROM d WHERE NOT EXISTS (SELECT 1 FROM u WHERE u.k = d.k)"
     )
     with conn.cursor() as cursor:
-        cursor.execute(sql, [keys, [keyed[by_db[k]] for k in keys], *n.touches(conn)])
+        deltas = pg_array([keyed[by_db[k]] for k in keys])
+        cursor.execute(sql, [pg_array(keys), deltas, *n.touches(conn)])
         missing = [by_db[k] for (k,) in cursor.fetchall()]
     if not missing:
         return set(keyed), 1
@@ -170,7 +183,8 @@ def upsert_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -
     )
     statements = 1
     with conn.cursor() as cursor:
-        cursor.execute(sql, [*n.defaults(conn), keys, [keyed[by_db[k]] for k in keys]])
+        deltas = pg_array([keyed[by_db[k]] for k in keys])
+        cursor.execute(sql, [*n.defaults(conn), pg_array(keys), deltas])
         rows = cursor.fetchall()
         applied = {k for k, _ in rows}
         created = sorted(k for k, inserted in rows if inserted)
