@@ -93,6 +93,15 @@ SETTINGS: dict[str, Setting] = {
             "flushes every shard itself.",
         ),
         Setting(
+            "COUNTERS_FLUSH_LANES",
+            int,
+            2,
+            "Shards one flush drains side by side, each lane a thread with a database "
+            "connection of its own; their apply transactions take turns, so one lane "
+            "moves its next batch out of Redis while another's statement runs. 1: one "
+            "shard after another. A flush inside a transaction, or on SQLite, uses one.",
+        ),
+        Setting(
             "COUNTERS_FLUSH_TIME_BUDGET",
             float,
             30.0,
@@ -283,6 +292,10 @@ def flush_interval() -> int:
 
 def flush_parallelism() -> int:
     return get("COUNTERS_FLUSH_PARALLELISM")
+
+
+def flush_lanes() -> int:
+    return get("COUNTERS_FLUSH_LANES")
 
 
 def flush_time_budget() -> float:

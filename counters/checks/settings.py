@@ -25,6 +25,7 @@ POSITIVE = {
     "COUNTERS_AUDIT_SLICE": "counters.E020",
     "COUNTERS_AUDIT_RETENTION": "counters.E021",
     "COUNTERS_SEND_BATCH": "counters.E030",
+    "COUNTERS_FLUSH_LANES": "counters.E031",
 }
 
 

@@ -30,14 +30,17 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 import uuid
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from counters.base import conf
 from counters.base.utils import first_line
 from counters.buffer.lease import Lease
 from counters.buffer.store import Batch, Buffer
@@ -115,8 +118,11 @@ class ShardFlush:
         lease_timeout: float,
         deadline: float,
         result: FlushResult,
+        turn: threading.Lock | None = None,
     ) -> None:
         self.buffer, self.shard, self.using = buffer, shard, using
+        #: Held while a batch is applied when lanes share the database (:class:`Lanes`).
+        self.turn = turn
         self.batch_size, self.lease_timeout, self.deadline = batch_size, lease_timeout, deadline
         self.result = result
         self.lease = Lease(buffer.client, buffer.key(shard, "lease"), lease_timeout)
@@ -247,7 +253,7 @@ class ShardFlush:
         """
         limits = waits.apply_limits(self.lease_timeout, self.deadline - time.monotonic())
         try:
-            with waits.limited(limits):
+            with waits.limited(limits), self.turn or nullcontext():
                 apply_batch(batch, self.using, self.result)
         except SYSTEMIC:
             raise  # the database, not the deltas: the batch stays in flight as it is
@@ -341,6 +347,7 @@ def flush_buffer(
     lease_timeout: float = 30.0,
     retention: int | None = None,
     shards: Iterable[int] | None = None,
+    lanes: int | None = None,
 ) -> FlushResult:
     """Flush each shard of ``buffer`` once, or only ``shards``; returns a FlushResult.
 
@@ -351,32 +358,161 @@ def flush_buffer(
     visited from a random one on, so that a budget that runs out leaves other
     shards behind each time. ``retention`` (seconds) prunes the ledger
     afterwards. Raises ``ValueError`` for shards ``buffer`` lacks, touching none.
+
+    ``lanes`` (default ``COUNTERS_FLUSH_LANES``): shards drained side by side by
+    this flush, each lane a thread with a database connection of its own
+    (:class:`Lanes`), one apply transaction at a time among them: while one
+    lane's batch is in the database, another moves and prepares its next
+    batch. One lane where that cannot be: inside a transaction on ``using``
+    (the lanes' connections would not see its rows), on SQLite (one writer),
+    or for a single shard.
     """
     order = chosen_shards(buffer, shards)
     started = time.monotonic()
     deadline = started + time_budget
     result = FlushResult()
     offset = random.randrange(len(order))  # fairness when the time budget runs out
-    for shard in order[offset:] + order[:offset]:
-        flusher = ShardFlush(
-            buffer,
-            shard,
-            using=using,
-            batch_size=batch_size,
-            lease_timeout=lease_timeout,
-            deadline=deadline,
-            result=result,
-        )
-        try:
-            flusher.run()
-        except (RedisConnectionError, RedisTimeoutError):
-            raise  # Redis is unreachable: no other shard can do better
-        except Exception as exc:
-            if not connections[using].is_usable():
-                raise  # the database is gone: no other shard can do better
-            shard_failed(shard, exc, result)
+    order = order[offset:] + order[:offset]
+    lanes = conf.flush_lanes() if lanes is None else lanes
+    conn = connections[using]
+    if lanes > 1 and len(order) > 1 and conn.vendor != "sqlite" and not conn.in_atomic_block:
+        Lanes(buffer, order, using, batch_size, lease_timeout, deadline, result).run(lanes)
+    else:
+        for shard in order:
+            flush_shard(buffer, shard, using, batch_size, lease_timeout, deadline, result)
     if retention is not None:
         ledger.prune_ledger(buffer, using, retention)
     result.seconds = time.monotonic() - started
     logger.debug("%s", result.summary())
     return result
+
+
+def flush_shard(
+    buffer: Buffer,
+    shard: int,
+    using: str,
+    batch_size: int,
+    lease_timeout: float,
+    deadline: float,
+    result: FlushResult,
+    turn: threading.Lock | None = None,
+) -> None:
+    """One shard's flush (:class:`ShardFlush`); its failure is recorded in ``result``
+    (``failed_shards``) unless Redis or the database is gone: then it raises."""
+    flusher = ShardFlush(
+        buffer,
+        shard,
+        using=using,
+        batch_size=batch_size,
+        lease_timeout=lease_timeout,
+        deadline=deadline,
+        result=result,
+        turn=turn,
+    )
+    try:
+        flusher.run()
+    except (RedisConnectionError, RedisTimeoutError):
+        raise  # Redis is unreachable: no other shard can do better
+    except Exception as exc:
+        if not connections[using].is_usable():
+            raise  # the database is gone: no other shard can do better
+        shard_failed(shard, exc, result)
+
+
+class Lanes:
+    """Shards of one flush drained by several threads, one database transaction at a time.
+
+    A batch's apply waits on the database for most of its time; moving the
+    next batch out of Redis and grouping its members is the flusher's own
+    work. With two lanes one does the latter while the other's statement
+    runs, so the flush spends about the database's time, not the sum. The
+    apply transactions take turns (``turn``): the database sees what one
+    flusher always did, one statement at a time, and the exactly-once
+    argument is unchanged (each shard under its own lease, one lane per
+    shard).
+
+    Each lane takes the next shard of ``order`` when it finishes one, so a
+    shard with a backlog does not hold the others up. The calling thread is
+    the first lane; the others are threads whose database connection is
+    closed when they end. A lane that meets Redis or the database gone stops
+    every lane after its current shard, and the error is raised here.
+    ``counters.signals.applied`` is sent from the lane that applied the batch.
+    """
+
+    def __init__(
+        self,
+        buffer: Buffer,
+        order: list[int],
+        using: str,
+        batch_size: int,
+        lease_timeout: float,
+        deadline: float,
+        result: FlushResult,
+    ) -> None:
+        self.buffer, self.using, self.batch_size = buffer, using, batch_size
+        self.lease_timeout, self.deadline, self.result = lease_timeout, deadline, result
+        self.waiting = list(reversed(order))
+        self.lock = threading.Lock()
+        self.turn = threading.Lock()
+        self.failures: list[BaseException] = []
+
+    def run(self, lanes: int) -> None:
+        results = [FlushResult() for _ in range(lanes)]
+        threads = [
+            threading.Thread(
+                target=self._lane_thread, args=(part,), name=f"counters-flush-lane-{i}"
+            )
+            for i, part in enumerate(results[1:], 1)
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            self._lane(results[0])
+        finally:
+            for thread in threads:
+                thread.join()
+        for part in results:
+            merge(self.result, part)
+        if self.failures:
+            raise self.failures[0]
+
+    def _next(self) -> int | None:
+        with self.lock:
+            if self.failures or not self.waiting:
+                return None
+            return self.waiting.pop()
+
+    def _lane(self, result: FlushResult) -> None:
+        try:
+            while (shard := self._next()) is not None:
+                flush_shard(
+                    self.buffer,
+                    shard,
+                    self.using,
+                    self.batch_size,
+                    self.lease_timeout,
+                    self.deadline,
+                    result,
+                    self.turn,
+                )
+        except BaseException as exc:
+            with self.lock:
+                self.failures.append(exc)
+
+    def _lane_thread(self, result: FlushResult) -> None:
+        try:
+            self._lane(result)
+        finally:
+            connections.close_all()  # this thread's own connections
+
+
+def merge(into: FlushResult, part: FlushResult) -> None:
+    """Add the counts and shard lists of ``part`` (a lane's) to ``into``."""
+    for name in ("batches", "keys", "deltas", "dropped", "recovered", "already_applied"):
+        setattr(into, name, getattr(into, name) + getattr(part, name))
+    for name in ("compensated", "repaired", "quarantined", "requeued", "discarded"):
+        setattr(into, name, getattr(into, name) + getattr(part, name))
+    into.busy_shards.extend(part.busy_shards)
+    into.lost_shards.extend(part.lost_shards)
+    into.failed_shards.update(part.failed_shards)
+    into.incomplete = into.incomplete or part.incomplete

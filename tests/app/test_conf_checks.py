@@ -39,6 +39,7 @@ DEFAULTS = {
     "COUNTERS_AUTO_REBUILD": True,
     "COUNTERS_DATABASES": None,
     "COUNTERS_FLUSH_PARALLELISM": 1,
+    "COUNTERS_FLUSH_LANES": 2,
     "COUNTERS_METRICS": False,
     "COUNTERS_AUDIT_INTERVAL": 10,
     "COUNTERS_AUDIT_SLICE": 1000,
@@ -68,6 +69,7 @@ def test_every_setting_is_known_with_its_default():
         (conf.socket_timeout, "COUNTERS_SOCKET_TIMEOUT"),
         (conf.ledger_retention, "COUNTERS_LEDGER_RETENTION"),
         (conf.flush_parallelism, "COUNTERS_FLUSH_PARALLELISM"),
+        (conf.flush_lanes, "COUNTERS_FLUSH_LANES"),
         (conf.metrics_enabled, "COUNTERS_METRICS"),
         (conf.audit_interval, "COUNTERS_AUDIT_INTERVAL"),
         (conf.audit_slice, "COUNTERS_AUDIT_SLICE"),
@@ -223,6 +225,7 @@ def test_every_positive_check_has_its_own_id():
         "counters.E020",
         "counters.E021",
         "counters.E030",
+        "counters.E031",
     ]
     assert set(POSITIVE) == set(conf.SETTINGS) - {
         "COUNTERS_REDIS_URL",

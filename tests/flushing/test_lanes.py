@@ -1,0 +1,157 @@
+"""A flush drains shards in lanes: threads of their own, one apply transaction at a time."""
+
+from __future__ import annotations
+
+import threading
+from unittest import mock
+
+import pytest
+from django.db import connection, connections, transaction
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+import counters
+from counters.base.exceptions import BufferUnavailable
+from counters.client import get_buffer
+from counters.flushing import shard as flusher
+from counters.models import FlushBatch
+from notifications.models import Notification
+from tests.helpers import assert_exact, stored, truth
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("redis_backend"),
+]
+
+
+class ApplySpy:
+    """Wraps ``apply_batch``: the threads it ran in, and the most that ran at once."""
+
+    def __init__(self) -> None:
+        self.real = flusher.apply_batch
+        self.lock = threading.Lock()
+        self.threads: set[str] = set()
+        self.running = self.most = 0
+        self.batches = 0
+
+    def __call__(self, batch, using, result):
+        with self.lock:
+            self.threads.add(threading.current_thread().name)
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            self.real(batch, using, result)
+        finally:
+            with self.lock:
+                self.running -= 1
+                self.batches += 1
+
+
+@pytest.fixture
+def laned():
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite has one writer: a flush there keeps to one lane")
+
+
+@pytest.fixture
+def spread(make_user):
+    """Users whose counter members fall in many shards, each with a few notifications."""
+    users = [make_user() for _ in range(24)]
+    for i, user in enumerate(users):
+        for _ in range(i % 4 + 1):
+            Notification.objects.create(recipient=user, verb="v")
+    shards = {get_buffer().shard_of(f"unread:{u.pk}") for u in users}
+    assert len(shards) > 2
+    return users
+
+
+@pytest.mark.usefixtures("laned")
+def test_two_lanes_drain_every_shard_exactly_one_apply_at_a_time(spread, settings):
+    settings.COUNTERS_FLUSH_LANES = 2
+    spy = ApplySpy()
+    with mock.patch.object(flusher, "apply_batch", spy):
+        result = counters.flush()
+    assert spy.threads == {threading.current_thread().name, "counters-flush-lane-1"}
+    assert spy.most == 1, "the lanes' apply transactions must take turns"
+    shards = {get_buffer().shard_of(f"unread:{u.pk}") for u in spread}
+    assert result.batches == spy.batches == len(shards)
+    assert result.keys == len(spread)
+    assert FlushBatch.objects.count() == len(shards)
+    assert (
+        [stored(u) for u in spread]
+        == [truth(u) for u in spread]
+        == [i % 4 + 1 for i in range(len(spread))]
+    )
+    assert get_buffer().inflight_ids() == {}
+
+
+def test_a_lane_closes_its_database_connection(spread, settings):
+    settings.COUNTERS_FLUSH_LANES = 2
+    if connection.vendor != "postgresql":
+        pytest.skip("counts the server's sessions")
+    ours = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+    with connection.cursor() as cursor:
+        cursor.execute(ours)
+        (before,) = cursor.fetchone()
+        counters.flush()
+        cursor.execute(ours)
+        (after,) = cursor.fetchone()
+    assert after == before
+    assert_exact(*spread)
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_the_number_of_lanes_is_the_setting(spread, settings, lanes):
+    settings.COUNTERS_FLUSH_LANES = lanes
+    spy = ApplySpy()
+    with mock.patch.object(flusher, "apply_batch", spy):
+        counters.flush()
+    if connection.vendor == "sqlite":
+        assert spy.threads == {threading.current_thread().name}
+    else:
+        assert threading.current_thread().name in spy.threads
+        assert len(spy.threads) <= lanes
+        assert spy.threads <= {threading.current_thread().name} | {
+            f"counters-flush-lane-{i}" for i in range(1, lanes)
+        }
+        if lanes == 1:
+            assert spy.threads == {threading.current_thread().name}
+    assert spy.most == 1
+    assert_exact(*spread)
+
+
+def test_a_flush_inside_a_transaction_stays_in_its_thread(spread, settings):
+    """The lanes' own connections would not see the rows of the caller's transaction."""
+    settings.COUNTERS_FLUSH_LANES = 2
+    spy = ApplySpy()
+    with mock.patch.object(flusher, "apply_batch", spy), transaction.atomic():
+        Notification.objects.create(recipient=spread[0], verb="v")
+        counters.flush()  # the new one is pushed at COMMIT: not in this flush
+    assert spy.threads == {threading.current_thread().name}
+    assert_exact(*spread)
+
+
+@pytest.mark.usefixtures("laned")
+def test_redis_gone_in_one_lane_stops_the_flush_and_loses_nothing(spread, settings):
+    settings.COUNTERS_FLUSH_LANES = 2
+    real_move = flusher.ShardFlush.move
+    moves = []
+
+    def move_then_fail(self, only=None):
+        moves.append(threading.current_thread().name)
+        if threading.current_thread().name == "counters-flush-lane-1":
+            raise RedisConnectionError("Redis went away")
+        return real_move(self, only)
+
+    with (
+        mock.patch.object(flusher.ShardFlush, "move", move_then_fail),
+        pytest.raises(BufferUnavailable),
+    ):
+        counters.flush()
+    assert "counters-flush-lane-1" in moves
+    assert not any(t.name.startswith("counters-flush-lane-") for t in threading.enumerate())
+    assert connections["default"].is_usable()
+    assert_exact(*spread)  # reads count what is still pending or in flight
+    counters.flush()
+    assert [stored(u) for u in spread] == [truth(u) for u in spread]
+    assert get_buffer().inflight_ids() == {}
