@@ -422,14 +422,13 @@ def flush_shard(
 class Lanes:
     """Shards of one flush drained by several threads, one database transaction at a time.
 
-    A batch's apply waits on the database for most of its time; moving the
-    next batch out of Redis and grouping its members is the flusher's own
-    work. With two lanes one does the latter while the other's statement
-    runs, so the flush spends about the database's time, not the sum. The
-    apply transactions take turns (``turn``): the database sees what one
-    flusher always did, one statement at a time, and the exactly-once
-    argument is unchanged (each shard under its own lease, one lane per
-    shard).
+    A batch's apply waits on the database for most of its time; the epoch
+    check, moving the next batch out of Redis and parsing it are the
+    flusher's own work. With two lanes one does the latter while the other's
+    statement runs. The apply transactions take turns (``turn``): the
+    database sees what one flusher always did, one statement at a time, and
+    the exactly-once argument is unchanged (each shard under its own lease,
+    one lane per shard).
 
     Each lane takes the next shard of ``order`` when it finishes one, so a
     shard with a backlog does not hold the others up. The calling thread is
@@ -457,7 +456,7 @@ class Lanes:
         self.failures: list[BaseException] = []
 
     def run(self, lanes: int) -> None:
-        results = [FlushResult() for _ in range(lanes)]
+        results = [FlushResult() for _ in range(min(lanes, len(self.waiting)))]
         threads = [
             threading.Thread(
                 target=self._lane_thread, args=(part,), name=f"counters-flush-lane-{i}"
