@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Iterable
 from contextlib import nullcontext
 
-from django.db import DEFAULT_DB_ALIAS, IntegrityError, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -258,7 +258,7 @@ class ShardFlush:
         except SYSTEMIC:
             raise  # the database, not the deltas: the batch stays in flight as it is
         except Exception as exc:
-            if not connections[self.using].is_usable():
+            if database_gone(self.using):
                 raise
             self.isolate(batch, exc)
             return False
@@ -414,9 +414,23 @@ def flush_shard(
     except (RedisConnectionError, RedisTimeoutError):
         raise  # Redis is unreachable: no other shard can do better
     except Exception as exc:
-        if not connections[using].is_usable():
+        if database_gone(using):
             raise  # the database is gone: no other shard can do better
         shard_failed(shard, exc, result)
+
+
+def database_gone(using: str) -> bool:
+    """Whether this thread cannot reach database ``using``: its connection fails a query.
+
+    A lane's connection may not be open yet (its shard failed before its
+    first query): it is opened first, so that it is not taken for a lost one.
+    """
+    conn = connections[using]
+    try:
+        conn.ensure_connection()
+    except DatabaseError:
+        return True
+    return not conn.is_usable()
 
 
 class Lanes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from unittest import mock
 
 import pytest
@@ -90,12 +91,29 @@ def test_a_lane_closes_its_database_connection(spread, settings):
     if connection.vendor != "postgresql":
         pytest.skip("counts the server's sessions")
     ours = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+    lanes = []
+    real = flusher.Lanes._lane_thread
+
+    def lane_thread(self, result):
+        lanes.append(connections["default"])
+        real(self, result)
+
     with connection.cursor() as cursor:
         cursor.execute(ours)
         (before,) = cursor.fetchone()
-        counters.flush()
-        cursor.execute(ours)
-        (after,) = cursor.fetchone()
+        with mock.patch.object(flusher.Lanes, "_lane_thread", lane_thread):
+            counters.flush()
+        [lane] = lanes
+        assert lane is not connections["default"]
+        assert lane.connection is None, "the lane's connection must be closed"
+        # The server ends the lane's session a moment after the client closed it.
+        deadline = time.monotonic() + 10
+        while True:
+            cursor.execute(ours)
+            (after,) = cursor.fetchone()
+            if after == before or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert after == before
     assert_exact(*spread)
 
@@ -129,6 +147,38 @@ def test_a_flush_inside_a_transaction_stays_in_its_thread(spread, settings):
         counters.flush()  # the new one is pushed at COMMIT: not in this flush
     assert spy.threads == {threading.current_thread().name}
     assert_exact(*spread)
+
+
+@pytest.mark.usefixtures("laned")
+@pytest.mark.usefixtures("laned")
+def test_a_shard_failing_before_its_lane_queried_the_database_fails_that_shard_only(
+    spread, settings
+):
+    """A lane's connection that was never opened is not taken for a database gone."""
+    settings.COUNTERS_FLUSH_LANES = 2
+    real = flusher.check_epoch
+    failed = []
+    lane_began = threading.Event()
+
+    def check(buffer, shard, using="default"):
+        if threading.current_thread().name != "counters-flush-lane-1":
+            lane_began.wait(10)  # the calling lane leaves the other one a shard
+        elif not failed:
+            failed.append(shard)
+            lane_began.set()
+            raise RuntimeError("a bug in one shard")
+        return real(buffer, shard, using)
+
+    with mock.patch.object(flusher, "check_epoch", check):
+        result = flusher.flush_buffer(get_buffer())
+    assert len(failed) == 1
+    assert list(result.failed_shards) == failed
+    assert "a bug in one shard" in result.failed_shards[failed[0]]
+    assert result.keys == len(spread) - sum(
+        1 for u in spread if get_buffer().shard_of(f"unread:{u.pk}") == failed[0]
+    )
+    counters.flush()
+    assert [stored(u) for u in spread] == [truth(u) for u in spread]
 
 
 @pytest.mark.usefixtures("laned")
