@@ -61,8 +61,8 @@ def main() -> int:
     from hiredis import pack_command as pack
 
     import counters
+    from benchmarks.internals import PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS
     from benchmarks.writers import operations, set_mode
-    from counters.buffer.intake import PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS
     from notifications.models import Notification
 
     client = redis.Redis.from_url(args.redis_url)
