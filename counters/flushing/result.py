@@ -8,6 +8,7 @@ the one log line of a run, ``as_dict()`` what ``counters_status`` and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 
@@ -72,3 +73,26 @@ class FlushResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def added_up(results: list[FlushResult]) -> FlushResult:
+    """One FlushResult of several: counts added, flags or-ed, shard lists merged.
+
+    ``seconds`` is added up too: the caller of results that ran side by side sets it.
+    """
+    if len(results) == 1:
+        return results[0]
+    total = FlushResult()
+    for result in results:
+        for item in dataclasses.fields(result):
+            mine, theirs = getattr(total, item.name), getattr(result, item.name)
+            if isinstance(mine, list):
+                theirs = sorted(set(mine) | set(theirs))
+            elif isinstance(mine, dict):
+                theirs = {**theirs, **mine}
+            elif isinstance(mine, bool) or mine is None or isinstance(mine, str):
+                theirs = mine or theirs
+            else:
+                theirs = mine + theirs
+            setattr(total, item.name, theirs)
+    return total

@@ -47,7 +47,7 @@ from counters.buffer.store import Batch, Buffer
 from counters.flushing import ledger, waits
 from counters.flushing.epoch import check_epoch, record_loss
 from counters.flushing.quarantine import ERROR_LIMIT, BatchLost, error_line, narrow_or_quarantine
-from counters.flushing.result import FlushResult
+from counters.flushing.result import FlushResult, added_up
 from counters.models import FlushBatch
 from counters.write import changes
 from counters.write.apply import DATABASE_ERRORS, apply_deltas
@@ -370,53 +370,18 @@ def flush_buffer(
     order = chosen_shards(buffer, shards)
     started = time.monotonic()
     deadline = started + time_budget
-    result = FlushResult()
     offset = random.randrange(len(order))  # fairness when the time budget runs out
     order = order[offset:] + order[:offset]
     lanes = conf.flush_lanes() if lanes is None else lanes
     conn = connections[using]
-    if lanes > 1 and len(order) > 1 and conn.vendor != "sqlite" and not conn.in_atomic_block:
-        Lanes(buffer, order, using, batch_size, lease_timeout, deadline, result).run(lanes)
-    else:
-        for shard in order:
-            flush_shard(buffer, shard, using, batch_size, lease_timeout, deadline, result)
+    if conn.vendor == "sqlite" or conn.in_atomic_block:
+        lanes = 1
+    result = Lanes(buffer, order, using, batch_size, lease_timeout, deadline).run(lanes)
     if retention is not None:
         ledger.prune_ledger(buffer, using, retention)
     result.seconds = time.monotonic() - started
     logger.debug("%s", result.summary())
     return result
-
-
-def flush_shard(
-    buffer: Buffer,
-    shard: int,
-    using: str,
-    batch_size: int,
-    lease_timeout: float,
-    deadline: float,
-    result: FlushResult,
-    turn: threading.Lock | None = None,
-) -> None:
-    """One shard's flush (:class:`ShardFlush`); its failure is recorded in ``result``
-    (``failed_shards``) unless Redis or the database is gone: then it raises."""
-    flusher = ShardFlush(
-        buffer,
-        shard,
-        using=using,
-        batch_size=batch_size,
-        lease_timeout=lease_timeout,
-        deadline=deadline,
-        result=result,
-        turn=turn,
-    )
-    try:
-        flusher.run()
-    except (RedisConnectionError, RedisTimeoutError):
-        raise  # Redis is unreachable: no other shard can do better
-    except Exception as exc:
-        if database_gone(using):
-            raise  # the database is gone: no other shard can do better
-        shard_failed(shard, exc, result)
 
 
 def database_gone(using: str) -> bool:
@@ -460,17 +425,20 @@ class Lanes:
         batch_size: int,
         lease_timeout: float,
         deadline: float,
-        result: FlushResult,
     ) -> None:
         self.buffer, self.using, self.batch_size = buffer, using, batch_size
-        self.lease_timeout, self.deadline, self.result = lease_timeout, deadline, result
+        self.lease_timeout, self.deadline = lease_timeout, deadline
         self.waiting = list(reversed(order))
         self.lock = threading.Lock()
-        self.turn = threading.Lock()
+        #: Held by the lane applying a batch; None with one lane.
+        self.turn: threading.Lock | None = None
         self.failures: list[BaseException] = []
 
-    def run(self, lanes: int) -> None:
-        results = [FlushResult() for _ in range(min(lanes, len(self.waiting)))]
+    def run(self, lanes: int) -> FlushResult:
+        """Drain every shard in up to ``lanes`` lanes (one per shard at most); what they did."""
+        results = [FlushResult() for _ in range(max(1, min(lanes, len(self.waiting))))]
+        if len(results) > 1:
+            self.turn = threading.Lock()
         threads = [
             threading.Thread(
                 target=self._lane_thread, args=(part,), name=f"counters-flush-lane-{i}"
@@ -484,10 +452,9 @@ class Lanes:
         finally:
             for thread in threads:
                 thread.join()
-        for part in results:
-            merge(self.result, part)
         if self.failures:
             raise self.failures[0]
+        return added_up(results)
 
     def _next(self) -> int | None:
         with self.lock:
@@ -498,34 +465,35 @@ class Lanes:
     def _lane(self, result: FlushResult) -> None:
         try:
             while (shard := self._next()) is not None:
-                flush_shard(
-                    self.buffer,
-                    shard,
-                    self.using,
-                    self.batch_size,
-                    self.lease_timeout,
-                    self.deadline,
-                    result,
-                    self.turn,
-                )
+                self._flush_shard(shard, result)
         except BaseException as exc:
             with self.lock:
                 self.failures.append(exc)
+
+    def _flush_shard(self, shard: int, result: FlushResult) -> None:
+        """One shard's flush (:class:`ShardFlush`); its failure is recorded in ``result``
+        (``failed_shards``) unless Redis or the database is gone: then it raises."""
+        flusher = ShardFlush(
+            self.buffer,
+            shard,
+            using=self.using,
+            batch_size=self.batch_size,
+            lease_timeout=self.lease_timeout,
+            deadline=self.deadline,
+            result=result,
+            turn=self.turn,
+        )
+        try:
+            flusher.run()
+        except (RedisConnectionError, RedisTimeoutError):
+            raise  # Redis is unreachable: no other shard can do better
+        except Exception as exc:
+            if database_gone(self.using):
+                raise  # the database is gone: no other shard can do better
+            shard_failed(shard, exc, result)
 
     def _lane_thread(self, result: FlushResult) -> None:
         try:
             self._lane(result)
         finally:
             connections.close_all()  # this thread's own connections
-
-
-def merge(into: FlushResult, part: FlushResult) -> None:
-    """Add the counts and shard lists of ``part`` (a lane's) to ``into``."""
-    for name in ("batches", "keys", "deltas", "dropped", "recovered", "already_applied"):
-        setattr(into, name, getattr(into, name) + getattr(part, name))
-    for name in ("compensated", "repaired", "quarantined", "requeued", "discarded"):
-        setattr(into, name, getattr(into, name) + getattr(part, name))
-    into.busy_shards.extend(part.busy_shards)
-    into.lost_shards.extend(part.lost_shards)
-    into.failed_shards.update(part.failed_shards)
-    into.incomplete = into.incomplete or part.incomplete

@@ -8,7 +8,6 @@ over several workers is :mod:`counters.ops.fanout`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -27,7 +26,7 @@ from counters.buffer.store import Buffer
 from counters.client import flushed_databases, get_buffer
 from counters.flushing import layout, quarantine, waits
 from counters.flushing.epoch import rebuild_needed_since
-from counters.flushing.result import FlushResult
+from counters.flushing.result import FlushResult, added_up
 from counters.flushing.settle import settle_fallbacks
 from counters.flushing.shard import flush_buffer
 from counters.read import backfill
@@ -193,29 +192,6 @@ def flush_databases(
     if error is not None:
         raise error
     return results
-
-
-def added_up(results: list[FlushResult]) -> FlushResult:
-    """One FlushResult of several: counts added, flags or-ed, shard lists merged.
-
-    ``seconds`` is added up too: the caller of results that ran side by side sets it.
-    """
-    if len(results) == 1:
-        return results[0]
-    total = FlushResult()
-    for result in results:
-        for item in dataclasses.fields(result):
-            mine, theirs = getattr(total, item.name), getattr(result, item.name)
-            if isinstance(mine, list):
-                theirs = sorted(set(mine) | set(theirs))
-            elif isinstance(mine, dict):
-                theirs = {**theirs, **mine}
-            elif isinstance(mine, bool) or mine is None or isinstance(mine, str):
-                theirs = mine or theirs
-            else:
-                theirs = mine + theirs
-            setattr(total, item.name, theirs)
-    return total
 
 
 def settle_quarantine(buffer: Buffer, using: str, *, retry: bool, discard: bool) -> tuple[int, int]:
