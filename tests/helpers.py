@@ -8,10 +8,27 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from django.db import connection
+from django.db import OperationalError, connection
 
 import counters
 from notifications.models import Notification, UnreadCounter
+
+
+def deadlocked(exc: BaseException) -> bool:
+    """``exc`` is the database breaking a deadlock: its transaction rolled back.
+
+    InnoDB (error 1213) and PostgreSQL (SQLSTATE 40P01) pick a victim among
+    transactions that wait on each other. On MySQL and MariaDB an UPDATE or a
+    ``FOR UPDATE`` reached through a secondary index (``mark_all_read()``)
+    and a DELETE by primary key (``delete()``) of one of its rows lock the two
+    index entries in opposite orders, counted or not. The victim counts
+    nothing and can be retried.
+    """
+    if not isinstance(exc, OperationalError):
+        return False
+    cause = exc.__cause__ or exc
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)  # psycopg 3 or 2
+    return code == "40P01" or (bool(exc.args) and exc.args[0] == 1213)
 
 
 def truth(user) -> int:

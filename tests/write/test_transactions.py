@@ -1,16 +1,24 @@
 """Only what commits counts: manual transactions, manual savepoints, failing callbacks,
-and reads inside a transaction that see its own changes."""
+a deadlock's victim, and reads inside a transaction that see its own changes."""
 
 from __future__ import annotations
 
 import contextlib
 
 import pytest
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 
 import counters
 from notifications.models import Notification, UnreadCounter
-from tests.helpers import assert_exact, cut_redis, restore_redis, stored, truth
+from tests.helpers import (
+    assert_exact,
+    cut_redis,
+    deadlocked,
+    race,
+    restore_redis,
+    stored,
+    truth,
+)
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -204,3 +212,34 @@ def test_manual_commit_with_redis_down_writes_its_own_transaction(manual, make_u
     transaction.rollback()  # end the reads' transaction
     transaction.set_autocommit(True)
     assert_exact(alice)
+
+
+@pytest.mark.skipif(connection.vendor == "sqlite", reason="SQLite locks the whole database")
+def test_the_victim_of_a_deadlock_counts_nothing_and_the_survivor_counts_once(make_user):
+    """Two transactions each mark one notification read, then delete the other's: each
+    waits on the other, the database rolls one back, and only the survivor counts."""
+    alice = make_user()
+    notes = [Notification.objects.create(recipient=alice, verb=str(i)) for i in range(3)]
+    counters.flush()
+
+    def cross(i, barrier):
+        try:
+            with transaction.atomic():
+                assert Notification.objects.get(pk=notes[i].pk).mark_read()
+                barrier.wait(timeout=30)
+                Notification.objects.get(pk=notes[1 - i].pk).delete()
+        except OperationalError as exc:
+            if not deadlocked(exc):
+                raise
+            return "victim"
+        return "survivor"
+
+    outcome = race(2, cross)
+    assert sorted(outcome) == ["survivor", "victim"]
+    survivor = outcome.index("survivor")
+    read = Notification.objects.get(pk=notes[survivor].pk)
+    assert read.is_read
+    assert not Notification.objects.filter(pk=notes[1 - survivor].pk).exists()
+    assert truth(alice) == 1  # the third one; the victim's mark_read rolled back
+    assert_exact(alice)
+    assert stored(alice) == 1
