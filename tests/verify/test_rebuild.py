@@ -157,7 +157,11 @@ def test_rebuild_while_writers_and_flushes_run_repairs_without_new_drift(make_us
     for t in threads:
         t.start()
     try:
-        report = rebuild("unread", batch_size=3, confirm_delay=0.3)
+        # Readings 1 s apart: a delta between its writer thread's COMMIT and its push reads
+        # as drift. Beside two CPU-bound processes such a thread was seen 0.2 s there; with
+        # readings 0.3 s apart a stall of 0.6 s got a delta on its way "repaired" about once
+        # in a hundred runs.
+        report = rebuild("unread", batch_size=3, confirm_delay=1.0)
     finally:
         stop.set()
         for t in threads:
