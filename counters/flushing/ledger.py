@@ -35,7 +35,7 @@ def record_batch(batch: Batch, using: str) -> None:
         batch_id=batch.batch_id,
         shard=batch.shard,
         keys=len(batch.items),
-        deltas=sum(abs(d) for d in batch.items.values()),
+        deltas=sum(map(abs, batch.items.values())),
     )
     conn = connections[using]
     if conn.vendor != "postgresql" or not (batch.seq and batch.prefix):

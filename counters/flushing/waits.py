@@ -37,6 +37,7 @@ from django.db import DatabaseError, connections, transaction
 
 from counters.base.registry import all_specs
 from counters.models import BufferEpoch, FlushBatch
+from counters.write import upsert
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +99,10 @@ def atomic(using: str) -> Iterator[None]:
     """``transaction.atomic(using)`` under the limits of the enclosing :func:`limited`.
 
     PostgreSQL: ``SET LOCAL`` of the three timeouts, first thing in the
-    transaction (one round trip). MySQL/MariaDB: the session's three limits,
-    set before BEGIN in one statement and put back after the transaction.
+    transaction, with the planner settings that keep a batch's UPDATE in key
+    order (:data:`counters.write.upsert.KEY_ORDER_SETTINGS`): one round trip.
+    MySQL/MariaDB: the session's three limits, set before BEGIN in one
+    statement and put back after the transaction.
     SQLite: the session's lock wait (its ``BEGIN IMMEDIATE`` already waits
     for the lock). Without limits, a plain ``atomic``.
     """
@@ -112,15 +115,19 @@ def atomic(using: str) -> Iterator[None]:
     # PostgreSQL needs no session setting (and its two round trips per batch) here.
     outer = session(using, limits, whole=True) if conn.vendor != "postgresql" else nullcontext()
     with outer, transaction.atomic(using=using):
-        if conn.vendor == "postgresql":
-            with conn.cursor() as cursor:
-                cursor.execute(
-                    "SELECT set_config('lock_timeout', %s, true), "
-                    "set_config('statement_timeout', %s, true), "
-                    "set_config('idle_in_transaction_session_timeout', %s, true)",
-                    [str(_ms(limits.lock)), str(_ms(limits.statement)), str(_ms(limits.idle))],
-                )
-        yield
+        if conn.vendor != "postgresql":
+            yield
+            return
+        with conn.cursor() as cursor:
+            cursor.execute(
+                "SELECT set_config('lock_timeout', %s, true), "
+                "set_config('statement_timeout', %s, true), "
+                "set_config('idle_in_transaction_session_timeout', %s, true), "
+                f"{upsert.KEY_ORDER_SETTINGS}",
+                [str(_ms(limits.lock)), str(_ms(limits.statement)), str(_ms(limits.idle))],
+            )
+        with upsert.in_key_order(using):
+            yield
 
 
 @contextmanager

@@ -169,7 +169,7 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
     if spec.codec is not None:  # a composite key: its own upsert over its columns
         applier = apply_composite
     applied, statements = applier(spec, keyed, using)
-    dropped = [k for k in keyed if k not in applied]
+    dropped = [] if applied.issuperset(keyed) else [k for k in keyed if k not in applied]
     if natural_keys.reusable(spec):
         # A natural key may come back: what its deleted parent was owed is kept for it,
         # and taken in by the row of a parent created again.
@@ -184,10 +184,10 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
             spec.name,
             sorted(dropped)[:LOG_DELTAS],
         )
-    changed = {k: d for k, d in keyed.items() if k in applied}
+    changed = {k: d for k, d in keyed.items() if k in applied} if dropped else keyed
     return Applied(
         keys=len(keyed) - len(dropped),
-        deltas=sum(abs(d) for d in changed.values()),
+        deltas=sum(map(abs, changed.values())),
         dropped=len(dropped),
         statements=statements,
         changes={spec.name: changed} if changed else {},

@@ -11,7 +11,9 @@ and the statements it ran. :mod:`counters.write.apply` picks one per vendor.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -115,16 +117,117 @@ def pg_array(values: list) -> Any:
     return values
 
 
+#: Most distinct deltas a batch's UPDATE adds by ``CASE``; a batch with more joins its deltas.
+CASE_DELTAS = 8
+
+#: For the rest of the transaction: rows found by a list of keys come from the keys' index, in
+#: key order (a table of a few thousand rows is otherwise scanned whole, in physical order).
+KEY_ORDER_SETTINGS = (
+    "set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)"
+)
+IN_KEY_ORDER = f"SELECT {KEY_ORDER_SETTINGS}"
+
+#: The database alias whose current transaction runs under :data:`KEY_ORDER_SETTINGS` already.
+_in_key_order: ContextVar[str | None] = ContextVar("counters_in_key_order", default=None)
+
+
+@contextmanager
+def in_key_order(using: str) -> Iterator[None]:
+    """Declare that the transaction open on ``using`` ran :data:`KEY_ORDER_SETTINGS`: its
+    batch UPDATEs within the block spare that statement (the flush sets them with its limits)."""
+    token = _in_key_order.set(using)
+    try:
+        yield
+    finally:
+        _in_key_order.reset(token)
+
+
 def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tuple[set, int]:
-    """One ``UPDATE … FROM unnest(keys, deltas)`` per batch; the upsert for rows it missed.
+    """One additive ``UPDATE`` per batch; the upsert for the rows it missed.
 
     Nearly every key of a flush has its row already, and an additive UPDATE
     of them is the cheapest statement there is (no parent probe, no
-    speculative insertion, nothing sent back): the statement returns only
-    the keys whose row it did not find. Those go through
-    :func:`upsert_postgresql`, which creates them, or adds to them if
-    another applier created them meanwhile, or drops them if their parent row
-    is gone.
+    speculative insertion): it returns how many rows it changed, and their
+    keys only when that is fewer than the batch's. The keys it missed go
+    through :func:`upsert_postgresql`, which creates them, or adds to them if
+    another applier created them meanwhile, or drops them if their parent
+    row is gone.
+
+    A batch's deltas take few values (mostly 1 and -1), so the UPDATE selects
+    its rows by ``= ANY`` of the batch's keys, an index scan that locks them
+    in key order, and adds each row's delta by a ``CASE`` over the keys of
+    each value (PostgreSQL hashes a constant array of 9 or more). That is the
+    raw bound's work in one statement, cheaper than joining ``unnest()`` of
+    the keys and deltas, which a batch of more than :data:`CASE_DELTAS`
+    distinct deltas still does (:func:`_joined`). Both lock the rows in key
+    order, as the upsert does.
+    """
+    conn = connections[using]
+    n = Names(spec, conn)
+    by_db = prepared(spec, keyed, conn)
+    keys = sorted(by_db)
+    by_delta: dict[int, list[Any]] = {}
+    for db_key in keys:
+        by_delta.setdefault(keyed[by_db[db_key]], []).append(db_key)
+    touches = n.touches(conn)
+    by_delta_case = len(by_delta) <= CASE_DELTAS
+    if by_delta_case:
+        ctes, params = _by_case(n, by_delta, keys, touches)
+    else:
+        ctes, params = _joined(n, keyed, by_db, keys, touches)
+    with conn.cursor() as cursor:
+        if by_delta_case and _in_key_order.get() != using:
+            cursor.execute(IN_KEY_ORDER)
+        cursor.execute(
+            f"WITH {ctes} SELECT count(*), CASE WHEN count(*) < %s THEN array_agg(u.k) END FROM u",
+            [*params, len(by_db)],
+        )
+        changed, keys = cursor.fetchone()
+    if changed == len(by_db):
+        return set(keyed), 1
+    missing = set(by_db).difference(keys or ())
+    created, statements = upsert_postgresql(
+        spec, {by_db[k]: keyed[by_db[k]] for k in missing}, using
+    )
+    return {by_db[k] for k in by_db if k not in missing} | created, 1 + statements
+
+
+def _by_case(
+    n: Names, by_delta: Mapping[int, list[Any]], keys: list[Any], touches: list[Any]
+) -> tuple[str, list]:
+    """The UPDATE of ``keys`` (sorted) adding one of a few deltas by ``CASE``, as CTE ``u``,
+    and its parameters. The largest group of keys is the ``ELSE``: no lookup.
+
+    The rows are found by ``= ANY`` of the keys, which must be an index scan
+    to lock them in key order: a scan of the whole table, or of a bitmap,
+    goes in the table's physical order. The caller turns both off for the
+    transaction (:data:`KEY_ORDER_SETTINGS`); and the array is one the planner
+    cannot see into (``ARRAY(SELECT unnest(…))``), so that it expects a few
+    keys, as with the join.
+    """
+    *cases, (last, _) = sorted(by_delta.items(), key=lambda group: len(group[1]))
+    whens = "".join(f"WHEN t.{n.key} = ANY(%s::{n.key_type}[]) THEN %s::bigint " for _ in cases)
+    params: list[Any] = []
+    for delta, group in cases:
+        params += [pg_array(group), delta]
+    added = f"CASE {whens}ELSE %s::bigint END" if cases else "%s::bigint"
+    sql = (
+        f"u AS (UPDATE {n.table} AS t SET {n.value} = t.{n.value} + {added}{n.touch} "
+        f"WHERE t.{n.key} = ANY(ARRAY(SELECT unnest(%s::{n.key_type}[]))) "
+        f"RETURNING t.{n.key} AS k)"
+    )
+    return sql, [*params, last, *touches, pg_array(keys)]
+
+
+def _joined(
+    n: Names,
+    keyed: Mapping[Any, int],
+    by_db: Mapping[Any, Any],
+    keys: list[Any],
+    touches: list[Any],
+) -> tuple[str, list]:
+    """The UPDATE joining ``unnest()`` of the keys and their deltas, as CTE ``u``, and its
+    parameters.
 
     The ``= ANY`` of the keys makes the rows an index scan of just those
     keys, whatever the table's statistics say (a join alone hashes the whole
@@ -132,26 +235,14 @@ def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) ->
     rows from it: it hashes them and runs the join over the sorted keys, so
     rows are locked in key order as in the upsert.
     """
-    conn = connections[using]
-    n = Names(spec, conn)
-    by_db = prepared(spec, keyed, conn)
-    keys = sorted(by_db)
     sql = (
-        f"WITH d AS MATERIALIZED (SELECT k, n FROM unnest(%s::{n.key_type}[], %s::bigint[]) "
+        f"d AS MATERIALIZED (SELECT k, n FROM unnest(%s::{n.key_type}[], %s::bigint[]) "
         f"AS d(k, n) ORDER BY k), "
         f"u AS (UPDATE {n.table} AS t SET {n.value} = t.{n.value} + d.n{n.touch} FROM d "
         f"WHERE t.{n.key} = d.k AND t.{n.key} = ANY(ARRAY(SELECT k FROM d)) "
-        f"RETURNING t.{n.key} AS k) "
-        f"SELECT d.k FROM d WHERE NOT EXISTS (SELECT 1 FROM u WHERE u.k = d.k)"
+        f"RETURNING t.{n.key} AS k)"
     )
-    with conn.cursor() as cursor:
-        deltas = pg_array([keyed[by_db[k]] for k in keys])
-        cursor.execute(sql, [pg_array(keys), deltas, *n.touches(conn)])
-        missing = [by_db[k] for (k,) in cursor.fetchall()]
-    if not missing:
-        return set(keyed), 1
-    created, statements = upsert_postgresql(spec, {k: keyed[k] for k in missing}, using)
-    return set(keyed) - set(missing) | created, 1 + statements
+    return sql, [pg_array(keys), pg_array([keyed[by_db[k]] for k in keys]), *touches]
 
 
 def upsert_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tuple[set, int]:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 import counters
 from counters.models import FlushBatch
-from counters.write import apply
+from counters.write import apply, upsert
 from notifications.models import Notification, UnreadCounter
-from tests.conftest import has_row_locks
+from tests.conftest import has_row_locks, is_postgres
 from tests.helpers import Worker, after_first, assert_exact, stored, truth
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
@@ -186,3 +187,110 @@ def test_a_direct_write_drops_only_the_user_deleted_while_it_runs(
     assert (row.keys, row.deltas, row.dropped, row.unsettled) == (1, 5, 1, None)
     assert stored(bob) == truth(bob) == 6
     assert_exact(bob)
+
+
+# -- the PostgreSQL batch UPDATE: by CASE over a few deltas, by a join over many -------------
+
+
+@pytest.mark.parametrize("distinct", [1, 3, upsert.CASE_DELTAS, upsert.CASE_DELTAS + 1])
+def test_a_batch_adds_each_key_its_own_delta_whatever_their_number(distinct, settings, make_user):
+    """Deltas ``-distinct .. -1`` on users whose rows exist, ``1 .. distinct`` on new users.
+
+    Up to :data:`~counters.write.upsert.CASE_DELTAS` distinct deltas the
+    UPDATE adds them by ``CASE``; beyond, by a join (on PostgreSQL). Either way
+    the users without a row go through the upsert, and every row ends exact.
+    """
+    settings.COUNTERS_SHARDS = 1  # one batch
+    old = [make_user() for _ in range(distinct)]
+    Notification.objects.bulk_create(
+        [Notification(recipient=user, verb="v") for user in old for _ in range(distinct)]
+    )
+    counters.flush()
+    new = [make_user() for _ in range(distinct)]
+    for i, user in enumerate(old, 1):  # user i reads i of its notifications: delta -i
+        ids = Notification.objects.filter(recipient=user).values_list("pk", flat=True)[:i]
+        Notification.objects.filter(pk__in=list(ids)).update(is_read=True)
+    Notification.objects.bulk_create(  # new user i gets i notifications: delta +i
+        [Notification(recipient=user, verb="v") for i, user in enumerate(new, 1) for _ in range(i)]
+    )
+    expected = 2 * distinct if distinct > 1 else 2
+    with CaptureQueriesContext(connection) as queries:
+        result = counters.flush()
+    assert (result.batches, result.keys, result.dropped) == (1, 2 * distinct, 0)
+    assert len({d for d in range(-distinct, distinct + 1) if d}) == expected
+    if connection.vendor == "postgresql":
+        update = next(q["sql"] for q in queries if f'UPDATE "{COUNTER_TABLE}"' in q["sql"])
+        by_case = distinct * 2 <= upsert.CASE_DELTAS
+        assert ("AS d(k, n)" in update) is not by_case, update  # the join of the deltas
+    assert (
+        [stored(u) for u in old]
+        == [truth(u) for u in old]
+        == [distinct - i for i in range(1, distinct + 1)]
+    )
+    assert [stored(u) for u in new] == [truth(u) for u in new] == list(range(1, distinct + 1))
+
+
+@pytest.mark.skipif(not is_postgres(), reason="PostgreSQL's planner")
+def test_the_batch_update_scans_the_keys_index_in_key_order_on_a_small_table(make_user):
+    """On a table of a few rows the planner scans it whole, in the table's physical order (the
+    reverse of the keys' here): under ``IN_KEY_ORDER`` the UPDATE's rows come from the key's
+    index, in key order."""
+    users = [make_user() for _ in range(3)]
+    for user in reversed(users):  # physical order: the reverse of the keys'
+        UnreadCounter.objects.create(user=user, count=5)
+    with connection.cursor() as cursor:
+        cursor.execute(f'ANALYZE "{COUNTER_TABLE}"')
+    spec = counters.get_spec("unread")
+    names = upsert.Names(spec, connection)
+    keys = sorted(u.pk for u in users)
+    ctes, params = upsert._by_case(names, {1: keys[:1], -1: keys[1:]}, keys, [])
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN WITH {ctes} SELECT count(*) FROM u", params)
+        alone = "\n".join(row[0] for row in cursor.fetchall())
+        cursor.execute(upsert.IN_KEY_ORDER)
+        cursor.execute(f"EXPLAIN WITH {ctes} SELECT count(*) FROM u", params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+        transaction.set_rollback(True)
+    assert "Seq Scan on" in alone, alone  # what the planner picks by itself
+    assert f"Index Scan using {COUNTER_TABLE}_pkey on {COUNTER_TABLE}" in plan, plan
+    assert "Seq Scan on" not in plan and "Bitmap" not in plan, plan
+
+
+@pytest.mark.skipif(not is_postgres(), reason="PostgreSQL's planner")
+def test_a_flush_batch_and_a_direct_write_update_in_key_order(settings, redis_down_in, make_user):
+    """The flush sets the planner settings with its limits, in the statement it runs anyway; a
+    direct write, which has no limits, runs ``IN_KEY_ORDER`` itself. Both end with their
+    transaction."""
+    settings.COUNTERS_SHARDS = 1
+    users = [make_user() for _ in range(3)]
+    Notification.objects.bulk_create([Notification(recipient=u, verb="v") for u in users])
+    counters.flush()  # the rows exist: the next batch is all UPDATE
+    Notification.objects.bulk_create(
+        [Notification(recipient=u, verb="v") for i, u in enumerate(users) for _ in range(i + 1)]
+    )
+    seen = []
+
+    def planner() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('enable_seqscan'), current_setting('enable_bitmapscan')"
+            )
+            seen.append(cursor.fetchone())
+
+    update = f'UPDATE "{COUNTER_TABLE}"'
+    with CaptureQueriesContext(connection) as queries, after_first(update, planner):
+        assert counters.flush().keys == 3
+    assert seen == [("off", "off")]
+    assert upsert.IN_KEY_ORDER not in [q["sql"] for q in queries]
+    planner()
+    assert seen[-1] == ("on", "on")
+
+    redis_down_in.add(threading.current_thread())
+    with CaptureQueriesContext(connection) as queries, after_first(update, planner):
+        Notification.objects.bulk_create([Notification(recipient=u, verb="v") for u in users])
+    assert seen[-1] == ("off", "off")
+    assert [q["sql"] for q in queries].count(upsert.IN_KEY_ORDER) == 1
+    planner()
+    assert seen[-1] == ("on", "on")
+    assert FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK, keys=3).count() == 1
+    assert_exact(*users)
