@@ -100,7 +100,8 @@ def atomic(using: str) -> Iterator[None]:
 
     PostgreSQL: ``SET LOCAL`` of the three timeouts, first thing in the
     transaction, with the planner settings that keep a batch's UPDATE in key
-    order (:data:`counters.write.upsert.KEY_ORDER_SETTINGS`): one round trip.
+    order (:data:`counters.write.upsert.KEY_ORDER_SETTINGS`) when the
+    transaction is its own: one round trip.
     MySQL/MariaDB: the session's three limits, set before BEGIN in one
     statement and put back after the transaction.
     SQLite: the session's lock wait (its ``BEGIN IMMEDIATE`` already waits
@@ -114,6 +115,8 @@ def atomic(using: str) -> Iterator[None]:
     conn = connections[using]
     # PostgreSQL needs no session setting (and its two round trips per batch) here.
     outer = session(using, limits, whole=True) if conn.vendor != "postgresql" else nullcontext()
+    # Within a transaction of the caller's, the planner settings would outlast the block.
+    own = not conn.in_atomic_block
     with outer, transaction.atomic(using=using):
         if conn.vendor != "postgresql":
             yield
@@ -122,11 +125,11 @@ def atomic(using: str) -> Iterator[None]:
             cursor.execute(
                 "SELECT set_config('lock_timeout', %s, true), "
                 "set_config('statement_timeout', %s, true), "
-                "set_config('idle_in_transaction_session_timeout', %s, true), "
-                f"{upsert.KEY_ORDER_SETTINGS}",
+                "set_config('idle_in_transaction_session_timeout', %s, true)"
+                + (f", {upsert.KEY_ORDER_SETTINGS}" if own else ""),
                 [str(_ms(limits.lock)), str(_ms(limits.statement)), str(_ms(limits.idle))],
             )
-        with upsert.in_key_order(using):
+        with upsert.in_key_order(using) if own else nullcontext():
             yield
 
 

@@ -125,7 +125,15 @@ CASE_DELTAS = 8
 KEY_ORDER_SETTINGS = (
     "set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true)"
 )
-IN_KEY_ORDER = f"SELECT {KEY_ORDER_SETTINGS}"
+#: :data:`KEY_ORDER_SETTINGS`, returning the values they replace (for :data:`RESTORED`).
+IN_KEY_ORDER = (
+    "SELECT current_setting('enable_seqscan'), current_setting('enable_bitmapscan'), "
+    f"{KEY_ORDER_SETTINGS}"
+)
+#: The settings :data:`IN_KEY_ORDER` replaced, put back (parameters: their old values).
+RESTORED = (
+    "SELECT set_config('enable_seqscan', %s, true), set_config('enable_bitmapscan', %s, true)"
+)
 
 #: The database alias whose current transaction runs under :data:`KEY_ORDER_SETTINGS` already.
 _in_key_order: ContextVar[str | None] = ContextVar("counters_in_key_order", default=None)
@@ -176,13 +184,17 @@ def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) ->
     else:
         ctes, params = _joined(n, keyed, by_db, keys, touches)
     with conn.cursor() as cursor:
+        replaced = None
         if by_delta_case and _in_key_order.get() != using:
             cursor.execute(IN_KEY_ORDER)
+            replaced = cursor.fetchone()[:2]
         cursor.execute(
             f"WITH {ctes} SELECT count(*), CASE WHEN count(*) < %s THEN array_agg(u.k) END FROM u",
             [*params, len(by_db)],
         )
         changed, keys = cursor.fetchone()
+        if replaced is not None:  # the caller's transaction, if it goes on, plans as it did
+            cursor.execute(RESTORED, list(replaced))
     if changed == len(by_db):
         return set(keyed), 1
     missing = set(by_db).difference(keys or ())
@@ -200,8 +212,9 @@ def _by_case(
 
     The rows are found by ``= ANY`` of the keys, which must be an index scan
     to lock them in key order: a scan of the whole table, or of a bitmap,
-    goes in the table's physical order. The caller turns both off for the
-    transaction (:data:`KEY_ORDER_SETTINGS`); and the array is one the planner
+    goes in the table's physical order. Both are off for the statement
+    (:data:`KEY_ORDER_SETTINGS`: for the flush's whole apply transaction, else
+    around the statement); and the array is one the planner
     cannot see into (``ARRAY(SELECT unnest(…))``), so that it expects a few
     keys, as with the join.
     """

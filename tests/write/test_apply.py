@@ -294,3 +294,32 @@ def test_a_flush_batch_and_a_direct_write_update_in_key_order(settings, redis_do
     assert seen[-1] == ("on", "on")
     assert FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK, keys=3).count() == 1
     assert_exact(*users)
+
+
+@pytest.mark.skipif(not is_postgres(), reason="PostgreSQL's planner")
+def test_a_flush_or_an_apply_inside_a_transaction_leaves_its_planner_as_it_was(settings, make_user):
+    """Set inside a transaction of the caller's, the planner settings would last until it
+    ends: the flush then leaves them to the statement, which puts them back."""
+    settings.COUNTERS_SHARDS = 1
+    users = [make_user() for _ in range(2)]
+    Notification.objects.bulk_create([Notification(recipient=u, verb="v") for u in users])
+
+    def planner() -> tuple:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('enable_seqscan'), current_setting('enable_bitmapscan')"
+            )
+            return cursor.fetchone()
+
+    with transaction.atomic():
+        assert counters.flush().keys == 2  # creates the rows
+        assert planner() == ("on", "on")
+    Notification.objects.bulk_create([Notification(recipient=u, verb="v") for u in users])
+    with transaction.atomic():
+        assert counters.flush().keys == 2  # adds to them by CASE
+        assert planner() == ("on", "on")
+    with transaction.atomic():
+        applied = apply.apply_deltas({f"unread:{u.pk}": 1 for u in users}, "default")
+        assert (applied.keys, planner()) == (2, ("on", "on"))
+        transaction.set_rollback(True)  # the deltas added by hand
+    assert [stored(u) for u in users] == [truth(u) for u in users] == [2, 2]
