@@ -167,7 +167,8 @@ def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) ->
     each value (PostgreSQL hashes a constant array of 9 or more). That is the
     raw bound's work in one statement, cheaper than joining ``unnest()`` of
     the keys and deltas, which a batch of more than :data:`CASE_DELTAS`
-    distinct deltas still does (:func:`_joined`). Both lock the rows in key
+    distinct deltas still does (:func:`_joined`), as does a connection that
+    binds parameters on the server (:func:`binds_on_client`). Both lock the rows in key
     order, as the upsert does.
     """
     conn = connections[using]
@@ -178,7 +179,7 @@ def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) ->
     for db_key in keys:
         by_delta.setdefault(keyed[by_db[db_key]], []).append(db_key)
     touches = n.touches(conn)
-    by_delta_case = len(by_delta) <= CASE_DELTAS
+    by_delta_case = len(by_delta) <= CASE_DELTAS and binds_on_client(conn)
     if by_delta_case:
         ctes, params = _by_case(n, by_delta, keys, touches)
     else:
@@ -202,6 +203,17 @@ def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) ->
         spec, {by_db[k]: keyed[by_db[k]] for k in missing}, using
     )
     return {by_db[k] for k in by_db if k not in missing} | created, 1 + statements
+
+
+def binds_on_client(conn) -> bool:
+    """Whether parameters reach PostgreSQL inside the SQL text: psycopg 2, and psycopg 3
+    unless ``OPTIONS["server_side_binding"]``.
+
+    The ``CASE`` of :func:`_by_case` needs its arrays as constants to hash them. Bound on the
+    server, a statement run often is prepared, its generic plan searches each array row after
+    row, and the batch UPDATE took 1.0 s against the join's 0.71 s (32 batches of 5000 keys).
+    """
+    return not (conn.settings_dict.get("OPTIONS") or {}).get("server_side_binding")
 
 
 def _by_case(

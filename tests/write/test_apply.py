@@ -323,3 +323,20 @@ def test_a_flush_or_an_apply_inside_a_transaction_leaves_its_planner_as_it_was(s
         assert (applied.keys, planner()) == (2, ("on", "on"))
         transaction.set_rollback(True)  # the deltas added by hand
     assert [stored(u) for u in users] == [truth(u) for u in users] == [2, 2]
+
+
+@pytest.mark.skipif(not is_postgres(), reason="PostgreSQL's parameters")
+def test_a_connection_binding_on_the_server_joins_the_deltas(settings, monkeypatch, make_user):
+    """Its arrays would not be constants the ``CASE`` could hash: the batch takes the join."""
+    settings.COUNTERS_SHARDS = 1
+    users = [make_user() for _ in range(2)]
+    Notification.objects.bulk_create([Notification(recipient=u, verb="v") for u in users])
+    counters.flush()
+    options = {**connection.settings_dict.get("OPTIONS", {}), "server_side_binding": True}
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    Notification.objects.bulk_create([Notification(recipient=u, verb="v") for u in users])
+    with CaptureQueriesContext(connection) as queries:
+        assert counters.flush().keys == 2
+    update = next(q["sql"] for q in queries if f'UPDATE "{COUNTER_TABLE}"' in q["sql"])
+    assert "AS d(k, n)" in update and "CASE WHEN t." not in update, update
+    assert [stored(u) for u in users] == [truth(u) for u in users] == [2, 2]
