@@ -193,12 +193,12 @@ def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) ->
             f"WITH {ctes} SELECT count(*), CASE WHEN count(*) < %s THEN array_agg(u.k) END FROM u",
             [*params, len(by_db)],
         )
-        changed, keys = cursor.fetchone()
+        changed, found = cursor.fetchone()
         if replaced is not None:  # the caller's transaction, if it goes on, plans as it did
             cursor.execute(RESTORED, list(replaced))
     if changed == len(by_db):
         return set(keyed), 1
-    missing = set(by_db).difference(keys or ())
+    missing = set(by_db).difference(found or ())
     created, statements = upsert_postgresql(
         spec, {by_db[k]: keyed[by_db[k]] for k in missing}, using
     )
