@@ -96,7 +96,9 @@ def test_flusher_killed_inside_its_transaction_loses_nothing(make_user):
         # hold alice's row so the flusher blocks in its UPDATE, after the move and
         # after its ledger insert, inside its transaction
         list(UnreadCounter.objects.select_for_update().filter(user=alice))
-        proc = manage("notification_update_counter", env=project_env(COUNTERS_LEASE_TIMEOUT="1"))
+        # A lane waiting for its turn does not renew its lease: long enough to outlast the
+        # steps below on a loaded machine, short enough to wait for.
+        proc = manage("notification_update_counter", env=project_env(COUNTERS_LEASE_TIMEOUT="5"))
         deadline = time.monotonic() + 20
         while not get_buffer().inflight_ids():
             assert time.monotonic() < deadline, "the flusher never moved a batch"
