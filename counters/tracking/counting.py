@@ -39,7 +39,13 @@ from counters.base.context import already_counted, is_paused
 from counters.base.utils import concrete_model, target_field
 from counters.tracking.follow import with_related
 from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
-from counters.tracking.trackers import touches, tracked_attnames, trackers_for
+from counters.tracking.trackers import (
+    InsertPlan,
+    insert_plan,
+    touches,
+    tracked_attnames,
+    trackers_for,
+)
 from counters.tracking.where import is_expression
 from counters.write.add import add_members
 
@@ -118,7 +124,11 @@ def needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) ->
         return False
     if obj.pk is not None:
         return True  # the row may exist: its old state is read under a lock
-    return _has_expression(obj) or _has_related(type(obj))
+    model = type(obj)
+    plan = insert_plan(model._meta.concrete_model or model)
+    if plan is not None:
+        return plan.has_expression(obj.__dict__)
+    return _has_expression(obj) or _has_related(model)
 
 
 def _has_related(model: type[models.Model]) -> bool:
@@ -166,6 +176,10 @@ def counted_write(
         )
     before = obj.__dict__.pop(_BEFORE_PARENTS, None)
     may_update = _may_update(obj, model, force_insert)
+    if not may_update:
+        plan = insert_plan(model)
+        if plan is not None and not plan.has_expression(obj.__dict__):
+            return _insert_and_count(obj, model, write, using, plan)
     if before is not None and before["model"] is model and may_update:
         # a multi-table child whose parents' tables are written already: count from the
         # row read before them (still locked, in the save's transaction)
@@ -180,6 +194,26 @@ def counted_write(
         with transaction.atomic(using=using):
             return _write_and_count(obj, model, write, using, update_fields, may_update)
     return _write_and_count(obj, model, write, using, update_fields, may_update)
+
+
+def _insert_and_count(
+    obj: models.Model,
+    model: type[models.Model],
+    write: Callable[[], bool],
+    using: str,
+    plan: InsertPlan,
+) -> bool:
+    """Insert the row of ``obj`` (``write``) and count it by ``plan``: nothing to lock or read.
+
+    Its values are plain (no expression), and no tracker reads related rows.
+    """
+    updated = write()  # False: Django inserted the row
+    new = plan.row(obj.__dict__)
+    if new is None:  # a value to convert, or one the database decided
+        count(model, [], [_new_row(obj, model, using, None, None)], using)
+    else:
+        add_members(plan.members(new), using=using)
+    return updated
 
 
 def _write_and_count(

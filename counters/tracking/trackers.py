@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from django.db import models
@@ -20,7 +21,7 @@ from django.db.models import Q
 from counters.base import registry
 from counters.base.utils import concrete_model
 from counters.tracking.paths import Chain, Hop
-from counters.tracking.where import Predicate, Row
+from counters.tracking.where import PLAIN_TYPES, Predicate, Row, is_expression, native_type
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,7 +41,7 @@ class Tracker:
     #: The related paths read (:mod:`counters.tracking.paths`), the key's first if it has one.
     related: tuple[Hop, ...] = ()
 
-    @property
+    @cached_property
     def key_name(self) -> str:
         """The key's name in a row and in a lookup: its attname, or its related path."""
         if self.related and self.related[0].path == self.key:
@@ -118,6 +119,52 @@ class Tracker:
                     into[name] = into.get(name, 0) + sign * found[1]
 
 
+class InsertPlan:
+    """Counting an insert of a model, resolved once from its trackers.
+
+    For a model none of whose trackers reads related rows: an insert then
+    counts from the instance's own values, read after Django wrote them. The
+    plan belongs to one tuple of trackers (:func:`insert_plan` makes a new
+    one when the model's trackers change).
+    """
+
+    __slots__ = ("attnames", "native", "trackers")
+
+    def __init__(self, model: type[models.Model], trackers: tuple[Tracker, ...]) -> None:
+        self.trackers = trackers
+        fields = tracked_fields(model)
+        self.attnames = tuple(f.attname for f in fields)
+        #: ``(attname, type)`` of the fields whose values of that type are stored as they are.
+        self.native = tuple((f.attname, native_type(f)) for f in fields)
+
+    def has_expression(self, values: dict[str, Any]) -> bool:
+        """Whether a tracked value in ``values`` (an instance's ``__dict__``) is an expression."""
+        for attname in self.attnames:
+            value = values.get(attname)
+            if type(value) not in PLAIN_TYPES and is_expression(value):
+                return True
+        return False
+
+    def row(self, values: dict[str, Any]) -> Row | None:
+        """The tracked values of ``values`` if each is of its field's own type (or None),
+        else None (convert them with :func:`~counters.tracking.rows.instance_row`)."""
+        row: dict[str, Any] = {}
+        for attname, native in self.native:
+            value = values.get(attname, _ABSENT)
+            if value is not None and type(value) is not native:
+                return None
+            row[attname] = value
+        return row
+
+    def members(self, row: Row) -> dict[str, int]:
+        """``{member: delta}`` of the inserted ``row`` (zeros may be left in)."""
+        members: dict[str, int] = {}
+        for tracker in self.trackers:
+            tracker.add_members(members, (), (row,))
+        return members
+
+
+_ABSENT = object()
 _trackers: dict[str, Tracker] = {}
 _by_model: dict[type[models.Model], tuple[Tracker, ...]] = {}
 _fields: dict[type[models.Model], tuple[models.Field, ...]] = {}
@@ -129,6 +176,8 @@ Through = tuple[Tracker, int]
 _middles: dict[type[models.Model], tuple[Through, ...]] = {}
 #: tracker -> its :class:`Chain`, once it is added.
 _chains: dict[Tracker, Chain] = {}
+#: concrete model -> the :class:`InsertPlan` of its trackers, or None if one reads related rows.
+_plans: dict[type[models.Model], tuple[tuple[Tracker, ...], InsertPlan | None]] = {}
 
 
 def add_tracker(tracker: Tracker) -> None:
@@ -145,6 +194,19 @@ def add_tracker(tracker: Tracker) -> None:
         _chains[tracker] = Chain.of(tracker.related)
         for depth, middle in enumerate(tracker.chain.middles(), 1):
             _middles[middle] = (*_middles.get(middle, ()), (tracker, depth))
+
+
+def insert_plan(model: type[models.Model]) -> InsertPlan | None:
+    """The :class:`InsertPlan` of concrete ``model``; None if it has no trackers or one of
+    them reads related rows."""
+    trackers = _by_model.get(model)
+    if not trackers:
+        return None
+    found = _plans.get(model)
+    if found is None or found[0] is not trackers:  # new, or the trackers changed
+        plan = None if any(t.related for t in trackers) else InsertPlan(model, trackers)
+        found = _plans[model] = (trackers, plan)
+    return found[1]
 
 
 def middle_hops(model: type[models.Model]) -> tuple[Through, ...]:

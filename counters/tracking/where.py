@@ -73,18 +73,19 @@ class WhereError(ValueError):
 
 
 #: Types of plain values: never expressions (``hasattr`` on them raises inside, slowly).
-_PLAIN_TYPES = frozenset({int, str, bool, float, type(None)})
+PLAIN_TYPES = frozenset({int, str, bool, float, type(None)})
 
 
 def is_expression(value: Any) -> bool:
-    return type(value) not in _PLAIN_TYPES and hasattr(value, "resolve_expression")
+    return type(value) not in PLAIN_TYPES and hasattr(value, "resolve_expression")
 
 
 #: field -> the type whose values ``field.to_python()`` returns unchanged (None: ask it).
 _native: dict[models.Field, type | None] = {}
 
 
-def _native_type(field: models.Field) -> type | None:
+def native_type(field: models.Field) -> type | None:
+    """The type whose values ``field.to_python()`` returns unchanged, or None (ask it)."""
     target = target_field(field) if field.is_relation else field
     kind = target.get_internal_type()
     if kind in _INTEGERS:
@@ -103,7 +104,7 @@ def python_value(field: models.Field, value: Any) -> Any:
     try:
         native = _native[field]
     except KeyError:
-        native = _native[field] = _native_type(field)
+        native = _native[field] = native_type(field)
     if type(value) is native:  # an int of an integer field, a bool, a str: as it is
         return value
     if field.is_relation and isinstance(value, models.Model):

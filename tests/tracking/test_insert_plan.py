@@ -1,0 +1,90 @@
+"""An insert counted by its model's insert plan: one statement, exact, whatever the values.
+
+A model none of whose trackers reads related rows counts a plain insert
+from the instance's own values (:class:`counters.tracking.trackers.InsertPlan`):
+no lock, no read, no transaction of its own. A value that is not of its
+field's own type is converted as every other path converts it, and an
+expression is read back inside a transaction, as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.db.models import Value
+from django.test.utils import CaptureQueriesContext
+
+import counters
+from counters.tracking import trackers
+from counters.tracking.trackers import insert_plan
+from notifications.models import Notification
+from tests.blog.models import Comment, Post, PostStats, RelComment
+from tests.helpers import assert_exact, in_redis, truth
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+
+
+def test_a_plain_insert_is_one_statement_and_counted_once(make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="v")  # the buffer's layout recorded once
+    with CaptureQueriesContext(connection) as queries:
+        Notification.objects.create(recipient=alice, verb="v")
+    assert [q["sql"].split()[0] for q in queries] == ["INSERT"]
+    assert in_redis(alice) == truth(alice) == 2
+    assert_exact(alice)
+
+
+@pytest.mark.parametrize(
+    ("recipient", "is_read", "counted"),
+    [
+        pytest.param(str, 0, 1, id="key-as-text-flag-as-int"),
+        pytest.param(str, 1, 0, id="read-as-int"),
+        pytest.param(int, False, 1, id="native"),
+    ],
+)
+def test_values_not_of_their_fields_type_are_converted(make_user, recipient, is_read, counted):
+    alice = make_user()
+    Notification.objects.create(recipient_id=recipient(alice.pk), verb="v", is_read=is_read)
+    assert in_redis(alice) == truth(alice) == counted
+    assert_exact(alice)
+
+
+@pytest.mark.parametrize(("is_read", "counted"), [(False, 1), (True, 0)])
+def test_an_expression_is_read_back_in_a_transaction(make_user, is_read, counted):
+    alice = make_user()
+    with CaptureQueriesContext(connection) as queries:
+        Notification.objects.create(recipient=alice, verb="v", is_read=Value(is_read))
+    assert in_redis(alice) == truth(alice) == counted
+    statements = [q["sql"].split()[0].upper() for q in queries]
+    assert "INSERT" in statements and "SELECT" in statements  # the row read back
+    assert_exact(alice)
+
+
+def test_two_counters_of_one_model_share_the_plan():
+    post = Post.objects.create(title="p")
+    for approved, points in ((True, 3), (True, 0), (False, 5), (True, 2)):
+        Comment.objects.create(post=post, approved=approved, points=points)
+    counters.flush()
+    stats = PostStats.objects.get(pk=post.pk)
+    approved = Comment.objects.filter(post=post, approved=True)
+    assert stats.comments == approved.count() == 3
+    assert stats.points == sum(approved.values_list("points", flat=True)) == 5
+
+
+def test_a_model_with_a_related_tracker_has_no_plan():
+    assert insert_plan(RelComment) is None
+    assert insert_plan(Notification) is not None
+
+
+def test_the_plan_follows_the_trackers_of_its_model(monkeypatch):
+    monkeypatch.setattr(trackers, "_by_model", dict(trackers._by_model))
+    before = insert_plan(Comment)
+    assert before is not None and insert_plan(Comment) is before  # kept
+    assert [t.name for t in before.trackers] == ["post_comments", "post_points"]
+    assert before.attnames == ("post_id", "approved", "points")
+    trackers._by_model[Comment] = before.trackers[:1]  # as a test's own trackers come and go
+    after = insert_plan(Comment)
+    assert after is not None and after is not before
+    assert [t.name for t in after.trackers] == ["post_comments"]
+    monkeypatch.undo()
+    assert insert_plan(Comment).trackers == before.trackers
