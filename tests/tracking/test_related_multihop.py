@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from django.db import transaction
+from django.db import OperationalError, connection, transaction
 from django.db.models import Q
 
 import counters
@@ -28,7 +28,7 @@ from counters.verify.rebuild import rebuild
 from tests.blog.hops import COUNTERS, assert_hops_exact, stored, truths
 from tests.blog.models import HopBlog, HopComment, HopOwner, HopPost
 from tests.conftest import has_row_locks
-from tests.helpers import race
+from tests.helpers import deadlocked, race
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
@@ -379,13 +379,24 @@ def test_racing_deep_changes_post_moves_and_new_comments_end_exact():
         "posts": [p.pk for p in posts],
     }
 
-    def write(i: int, barrier) -> None:
+    def write(i: int, barrier) -> int:
         rng = random.Random(i)
+        victims = 0
         for round_ in range(ROUNDS):
             barrier.wait(timeout=60)
-            _race_step((i + round_) % 8, rng, ids)
+            try:
+                _race_step((i + round_) % 8, rng, ids)
+            except OperationalError as exc:
+                # InnoDB breaks a deadlock between index entries locked in opposite orders
+                # (tests.helpers.deadlocked), counted or not: the victim's step rolls back
+                # whole and counts nothing. PostgreSQL never picks one here.
+                if not (connection.vendor == "mysql" and deadlocked(exc)):
+                    raise
+                victims += 1
+        return victims
 
-    race(THREADS, write, timeout=300)
+    victims = sum(race(THREADS, write, timeout=300))
+    assert victims <= THREADS * ROUNDS // 4  # most steps of the race ran
     assert HopComment.objects.filter(approved=True).exists()
     assert_hops_exact()
 
