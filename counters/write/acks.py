@@ -359,7 +359,8 @@ def _read_late() -> bool:
         _finish(acks.settle(older_than=before))
         if acks.idle() and not acks.owner.is_alive():
             with _state.lock:
-                _state.all.remove(acks)
+                if acks in _state.all:  # a process forked or reset meanwhile has its own list
+                    _state.all.remove(acks)
             acks.line.close()
         busy = busy or not acks.idle()
     return busy
