@@ -124,11 +124,10 @@ def needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) ->
         return False
     if obj.pk is not None:
         return True  # the row may exist: its old state is read under a lock
-    model = type(obj)
-    plan = insert_plan(model._meta.concrete_model or model)
+    plan = insert_plan(concrete_model(type(obj)))
     if plan is not None:
         return plan.has_expression(obj.__dict__)
-    return _has_expression(obj) or _has_related(model)
+    return _has_expression(obj) or _has_related(type(obj))
 
 
 def _has_related(model: type[models.Model]) -> bool:
