@@ -194,6 +194,19 @@ def fake_redis(settings, monkeypatch) -> fakeredis.FakeRedis:
 
 
 @pytest.fixture
+def quick_confirm(monkeypatch) -> float:
+    """Rebuilds and audits that are not given a confirm delay wait ``QUICK_CONFIRM`` s
+    between readings (the flush's rebuild, ``counters_rebuild`` in this process): for tests
+    with no writer running beside them."""
+    from counters.verify import audit, hold, rebuild
+    from tests.helpers import QUICK_CONFIRM
+
+    for module in (audit, hold, rebuild):
+        monkeypatch.setattr(module, "default_confirm_delay", lambda: QUICK_CONFIRM)
+    return QUICK_CONFIRM
+
+
+@pytest.fixture
 def make_user(django_user_model):
     counter = iter(range(1_000_000))
 

@@ -228,3 +228,8 @@ def after_first(text: str, action: Callable[[], None]) -> Iterator[None]:
     with connection.execute_wrapper(hook):
         yield
     assert done.is_set(), f"no statement contained {text!r}"
+
+
+#: Seconds between two readings of a suspect key in the tests that rebuild with no writer
+#: running: nothing is on its way to Redis there, so the default wait is idle time.
+QUICK_CONFIRM = 0.05

@@ -105,6 +105,11 @@ def rebuild(
 ) -> RebuildReport:
     """Check every key of counter ``name`` (or only ``keys``) and repair the wrong ones.
 
+    ``confirm_delay``: seconds between two readings of a suspect key; by default
+    :func:`~counters.verify.drift.default_confirm_delay`, long enough for a commit on its
+    way to reach Redis. A difference is repaired once
+    :data:`~counters.verify.drift.CONFIRM_READINGS` readings in a row, that far apart, agree.
+
     Repairs are fenced by ``fence``, the token of the rebuild lease the caller
     holds; without one, a token of its own is taken before the first reading.
     Raises :class:`BufferUnavailable` if Redis is down (the exact values are
@@ -200,9 +205,12 @@ def rebuild_all(
     using: str = DEFAULT_DB_ALIAS,
     *,
     batch_size: int = 1000,
+    confirm_delay: float | None = None,
     progress: Progress | None = None,
 ) -> list[RebuildReport]:
     """Rebuild every registered counter that has a truth source: the full rebuild.
+
+    ``batch_size`` and ``confirm_delay`` are :func:`rebuild`'s, for each counter.
 
     When it completes, the Redis data losses detected before it started are
     repaired, and their "rebuild needed" mark is cleared. Keys that kept
@@ -231,6 +239,7 @@ def rebuild_all(
                     report = rebuild(
                         spec.name,
                         batch_size=batch_size,
+                        confirm_delay=confirm_delay,
                         progress=page_done,
                         using=using,
                         fence=lease.fence,
@@ -247,11 +256,14 @@ def rebuild_all(
     return reports
 
 
-def rebuild_backfilling(using: str = DEFAULT_DB_ALIAS) -> list[RebuildReport]:
+def rebuild_backfilling(
+    using: str = DEFAULT_DB_ALIAS, *, confirm_delay: float | None = None
+) -> list[RebuildReport]:
     """The full rebuild of each counter still backfilling (:mod:`counters.read.backfill`).
 
     Each one that completes with no key left unstable is exact from then on.
-    Runs under the rebuild lease like :func:`rebuild_all`: raises
+    ``confirm_delay`` is :func:`rebuild`'s. Runs under the rebuild lease like
+    :func:`rebuild_all`: raises
     :class:`RebuildRunning` while another rebuild or repair holds it, and
     :class:`RepairFenced` if this one outlived it.
     """
@@ -272,6 +284,7 @@ def rebuild_backfilling(using: str = DEFAULT_DB_ALIAS) -> list[RebuildReport]:
             for name in names:
                 report = rebuild(
                     name,
+                    confirm_delay=confirm_delay,
                     progress=page_done,
                     using=using,
                     fence=lease.fence,

@@ -27,7 +27,7 @@ from tests.blog.models import (
     route_sentinel,
 )
 from tests.blog.routes import assert_routes_exact, stored, track_routes, truth, wrong
-from tests.helpers import assert_exact
+from tests.helpers import QUICK_CONFIRM, assert_exact
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -284,5 +284,5 @@ def test_raw_sql_paused_changes_are_not_counted_and_a_rebuild_repairs_them(world
         ("route_child_flagged", world.a.pk),
         ("route_child_flagged", world.b.pk),
     }
-    rebuild_all()
+    rebuild_all(confirm_delay=QUICK_CONFIRM)  # no writer runs: nothing is on its way
     assert_routes_exact()

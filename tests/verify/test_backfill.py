@@ -30,7 +30,12 @@ from counters.tracking import trackers
 from counters.verify.rebuild import rebuild
 from tests.blog.models import Comment, DeclTally, Post
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+# No writer runs beside these rebuilds: they confirm a difference without the default wait.
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("quick_confirm"),
+]
 
 NAME = "backfilled_comments"
 
