@@ -89,10 +89,11 @@ class Intake(Keyspace):
         ]
         return PushPlan(push_id, deltas, groups, refused, calls)
 
-    def _push_keys(self, shard: int, writer: str) -> list[str]:
+    def _push_keys(self, shard: int, writer: str) -> tuple[str, str, str]:
         """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since.
 
-        Kept per (shard, writer): a process pushes with a few writers (its pool).
+        Kept per (shard, writer): a process pushes with a few writers (its pool). The same
+        tuple each time, so that a :class:`~counters.buffer.line.Line` keeps its encoding.
         """
         cache = self._push_keys_cache
         keys = cache.get((shard, writer))
@@ -104,7 +105,7 @@ class Intake(Keyspace):
                 f"{self.prefix}:{{s{shard}}}:w:{writer}",
                 f"{self.prefix}:{{s{shard}}}:since",
             )
-        return list(keys)
+        return keys
 
     def fence(self, members: Iterable[str], push_id: PushId | str) -> set[int]:
         """Make push ``push_id`` of ``members`` unable to apply from now on.
@@ -168,7 +169,7 @@ class PushPlan:
         deltas: Mapping[str, int],
         groups: Mapping[int, list[str | int]],
         refused: dict[str, int],
-        calls: list[tuple[list, list]],
+        calls: Sequence[tuple[Sequence[str], list]],
     ) -> None:
         self.push_id = push_id
         self.deltas = deltas

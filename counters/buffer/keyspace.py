@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -82,7 +82,9 @@ class Keyspace:
             else client.evalsha
         )
 
-    def _run(self, script: Script | DrainScript, calls: list[tuple[list, list]]) -> list:
+    def _run(
+        self, script: Script | DrainScript, calls: Sequence[tuple[Sequence[Any], list]]
+    ) -> list:
         """Run ``script`` once per (keys, args) in one round trip.
 
         A single call goes straight to EVALSHA; several go in a pipeline of

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import socket
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from hiredis import Reader
@@ -39,6 +40,15 @@ from counters.buffer.intake import Intake, PushPlan
 
 #: Bytes one ``recv`` asks for: the replies of many pushes.
 READ_SIZE = 65536
+#: Heads of the push scripts' commands kept per line (``EVALSHA``, the sha, the keys).
+HEADS_KEPT = 256
+
+#: A push of one member, after the head: its six arguments as RESP bulk strings.
+_ONE_MEMBER = b"$%d\r\n%b\r\n" * 6
+
+
+def _bulk(value: bytes) -> bytes:
+    return b"$%d\r\n%b\r\n" % (len(value), value)
 
 
 class Line:
@@ -67,6 +77,8 @@ class Line:
         self.broken = False
         self._sock: socket.socket | None = None
         self._reader = Reader(replyError=ResponseError)
+        #: Keys of a push -> the encoded head of its command (:meth:`_packed`).
+        self._heads: dict[tuple[str, ...], bytes] = {}
 
     def send(self, plan: PushPlan) -> None:
         """Write ``plan``'s scripts to the connection, without reading their replies.
@@ -75,12 +87,11 @@ class Line:
         connection could not be opened (nothing left), else a Redis
         ``ConnectionError`` or ``TimeoutError`` (the line is broken).
         """
-        sha, calls = self.sha, plan.calls
+        calls = plan.calls
         if len(calls) == 1:
-            keys, args = calls[0]
-            packed = pack(("EVALSHA", sha, len(keys), *keys, *args))
+            packed = self._packed(*calls[0])
         else:
-            packed = b"".join([pack(("EVALSHA", sha, len(k), *k, *a)) for k, a in calls])
+            packed = b"".join([self._packed(keys, args) for keys, args in calls])
         sock = self._sock
         if sock is None:
             sock = self._open()  # NotConnected: nothing of it left, no push is unread
@@ -90,6 +101,51 @@ class Line:
             self._break()
             raise _redis_error(exc, "writing to") from exc
         self.unread.append(plan)
+
+    def _packed(self, keys: Sequence[str], args: list) -> bytes:
+        """``EVALSHA <sha> <len(keys)> *keys *args``, encoded for Redis (RESP).
+
+        The push of one member (six arguments: the script's four, a member and
+        its delta) with its keys as a tuple (:class:`Intake` keeps one per shard
+        and writer) is encoded here, its head (the command, the sha and the
+        keys) kept per line; anything else by hiredis. Both give the same bytes.
+        """
+        if len(args) == 6 and type(keys) is tuple:
+            ttl, now_ms, max_age, seq, member, delta = args
+            if (
+                type(member) is str
+                and type(ttl) is type(now_ms) is type(max_age) is type(seq) is type(delta) is int
+            ):
+                head = self._heads.get(keys)
+                if head is None:
+                    head = self._head(keys)
+                a, b, c = b"%d" % ttl, b"%d" % now_ms, b"%d" % max_age
+                d, e, f = b"%d" % seq, member.encode(), b"%d" % delta
+                return head + _ONE_MEMBER % (
+                    len(a),
+                    a,
+                    len(b),
+                    b,
+                    len(c),
+                    c,
+                    len(d),
+                    d,
+                    len(e),
+                    e,
+                    len(f),
+                    f,
+                )
+        return pack(("EVALSHA", self.sha, len(keys), *keys, *args))
+
+    def _head(self, keys: tuple[str, ...]) -> bytes:
+        """The encoded start of a one-member push with ``keys``, kept (a few per line)."""
+        if len(self._heads) >= HEADS_KEPT:
+            self._heads.clear()
+        parts = [b"EVALSHA", self.sha.encode(), b"%d" % len(keys)]
+        parts += [key.encode() if isinstance(key, str) else bytes(key) for key in keys]
+        head = b"*%d\r\n" % (len(parts) + 6) + b"".join(map(_bulk, parts))
+        self._heads[keys] = head
+        return head
 
     def receive(self) -> tuple[PushPlan, list[Any]]:
         """The oldest unread push and its replies (a reply may be an error, as a value).

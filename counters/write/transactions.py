@@ -46,6 +46,8 @@ from typing import Any, Protocol
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from counters.base.utils import connection_of
+
 logger = logging.getLogger(__name__)
 
 #: ``send(deltas, using)``, or ``send(deltas, using, push_id=..., outbox=True)`` when the
@@ -276,7 +278,7 @@ def record(
     ``durable``: the hook of durable mode, which holds them in an outbox row
     from before the COMMIT until they are counted (when it is enabled).
     """
-    conn = connections[using]
+    conn = connection_of(using)
     in_atomic = conn.in_atomic_block
     # ``autocommit`` is what get_autocommit() returns once connected, without its checks
     connected = conn.connection is not None

@@ -1,0 +1,66 @@
+"""A line encodes each push's command as hiredis does (``Line._packed``)."""
+
+from __future__ import annotations
+
+import pytest
+from hiredis import pack_command
+
+from counters.buffer.line import HEADS_KEPT, Line
+from counters.buffer.pushids import PushId
+from counters.buffer.store import Buffer
+
+
+@pytest.fixture
+def buffer(client) -> Buffer:
+    return Buffer(client, "linetest", shards=4)
+
+
+@pytest.fixture
+def line(buffer) -> Line:
+    return Line(buffer)
+
+
+def expected(line: Line, keys: list, args: list) -> bytes:
+    return pack_command(("EVALSHA", line.sha, len(keys), *keys, *args))
+
+
+@pytest.mark.parametrize(
+    "deltas",
+    [
+        {"unread:7": 1},
+        {"unread:7": -1},
+        {"unread:123456789012": 2**53 - 1},
+        {"unread:-5": -(2**40)},
+        {"naïve:clé é": 3},  # a member of several bytes per character
+        {"unread:": 1},
+        {"a:1": 1, "b:2": -2, "c:3": 5, "d:4": 1},  # several members, several shards
+    ],
+)
+def test_every_push_is_encoded_as_hiredis_encodes_it(buffer, line, deltas):
+    for seq in (1, 2, 10**12):
+        plan = buffer.plan_push(deltas, PushId("w-" + "a" * 16, seq))
+        assert plan.calls
+        for keys, args in plan.calls:
+            assert line._packed(keys, args) == expected(line, keys, args)
+
+
+def test_arguments_of_other_types_go_to_hiredis(line):
+    keys = ["k:{0}:pending", "k:{0}:writer", "k:{0}:since"]
+    for args in (
+        [60000, 1, 600000, 1, b"bytes:member", 1],
+        [60000, 1, 600000, 1, "m:1", 2.0],
+        [60000, 1.5, 600000, 1, "m:1", 1],
+        [60000, 1, 600000, 1, "m:1", 1, "m:2", 2],
+    ):
+        assert line._packed(keys, args) == expected(line, keys, args)
+
+
+def test_heads_are_kept_per_keys_and_bounded(line):
+    args = [60000, 1, 600000, 1, "m:1", 1]
+    for i in range(HEADS_KEPT + 5):
+        keys = (f"k:{i}:pending", f"k:{i}:writer", f"k:{i}:since")
+        assert line._packed(keys, args) == expected(line, keys, args)
+        assert keys in line._heads
+        assert line._packed(keys, args) == expected(line, keys, args)  # from the kept head
+        assert line._packed(list(keys), args) == expected(line, keys, args)  # by hiredis
+    assert 0 < len(line._heads) <= HEADS_KEPT
