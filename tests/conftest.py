@@ -53,6 +53,42 @@ SERIAL_FOLDERS = ("chaos", "e2e", "bench")
 SENTINEL_FOLDERS = ("buffer", "flushing", "write", "read", "app")
 
 
+def _flush_postgresql_by_delete() -> None:
+    """Transactional tests empty every table after each one (Django's ``flush``). On
+    PostgreSQL Django does it with one ``TRUNCATE`` of every table, which gives each table
+    and index a new file: some 0.15 s a test here, about a third of the PostgreSQL runs.
+    A ``DELETE`` of each table with the foreign key triggers off for the transaction
+    (``session_replication_role``, a superuser's setting) leaves the same empty tables in a
+    tenth of that. Without superuser rights, or to reset sequences, Django's own."""
+    try:
+        from django.db.backends.postgresql.operations import DatabaseOperations
+    except ImportError:  # no psycopg
+        return
+    truncate = DatabaseOperations.sql_flush
+
+    def sql_flush(self, style, tables, *, reset_sequences=False, allow_cascade=False):
+        conn = self.connection
+        superuser = conn.__dict__.get("_tests_superuser")
+        if superuser is None:
+            with conn.cursor() as cursor:
+                cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+                superuser = conn.__dict__["_tests_superuser"] = bool(cursor.fetchone()[0])
+        if not tables or reset_sequences or not superuser:
+            return truncate(
+                self, style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
+            )
+        qn = self.quote_name
+        return [
+            "SET LOCAL session_replication_role = replica",
+            *(f"DELETE FROM {qn(table)}" for table in tables),
+        ]
+
+    DatabaseOperations.sql_flush = sql_flush
+
+
+_flush_postgresql_by_delete()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark the tests of :data:`SERIAL_FOLDERS` ``serial``: ``make test`` runs them in a pass
     of their own after the parallel one, so their timing never competes with other tests.
