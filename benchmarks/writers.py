@@ -2,7 +2,8 @@
 
 Modes:
 
-- ``off``: the insert alone, inside ``counters.paused()`` so nothing is counted;
+- ``off``: the insert alone: ``Notification.objects.create()``, the call of ``tally``,
+  inside ``counters.paused()`` so nothing is counted;
 - ``naive``: the same insert plus ``UPDATE ... SET count = count + 1`` of the
   recipient's counter row in the same transaction;
 - ``trigger``: the insert of ``off``, with a PostgreSQL trigger installed for
@@ -258,8 +259,8 @@ def operations() -> dict[str, Callable[[int], None]]:
     from notifications.models import Notification, UnreadCounter
 
     def off(uid: int) -> None:
-        with paused():
-            Notification(recipient_id=uid, verb="bench").save(force_insert=True)
+        with paused():  # the call of tally, counting nothing
+            Notification.objects.create(recipient_id=uid, verb="bench")
 
     def naive(uid: int) -> None:
         with transaction.atomic():
