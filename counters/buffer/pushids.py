@@ -105,10 +105,12 @@ class Writer:
 
     def next_push_id(self) -> PushId:
         self.seq += 1
-        # A writer's own id and a positive count are valid: skip the checks of text.
+        # A writer's own id and a positive count are valid: skip the checks of text (and the
+        # frozen dataclass's own setattr, writing its fields straight into the new object).
         push_id = object.__new__(PushId)
-        object.__setattr__(push_id, "writer", self.id)
-        object.__setattr__(push_id, "seq", self.seq)
+        fields = push_id.__dict__
+        fields["writer"] = self.id
+        fields["seq"] = self.seq
         return push_id
 
 
