@@ -121,20 +121,11 @@ class Line:
                     head = self._head(keys)
                 a, b, c = b"%d" % ttl, b"%d" % now_ms, b"%d" % max_age
                 d, e, f = b"%d" % seq, member.encode(), b"%d" % delta
+                # fmt: off
                 return head + _ONE_MEMBER % (
-                    len(a),
-                    a,
-                    len(b),
-                    b,
-                    len(c),
-                    c,
-                    len(d),
-                    d,
-                    len(e),
-                    e,
-                    len(f),
-                    f,
+                    len(a), a, len(b), b, len(c), c, len(d), d, len(e), e, len(f), f
                 )
+                # fmt: on
         return pack(("EVALSHA", self.sha, len(keys), *keys, *args))
 
     def _head(self, keys: tuple[str, ...]) -> bytes:
