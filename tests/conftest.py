@@ -89,6 +89,37 @@ def _flush_postgresql_by_delete() -> None:
 _flush_postgresql_by_delete()
 
 
+def _flush_keeps_content_types() -> None:
+    """The flush after a transactional test keeps the content types and permissions.
+
+    Django then emits ``post_migrate``, whose receivers insert them again when the flush
+    emptied their tables: a few hundred rows after every test. They are the same for the
+    whole session (no test adds or removes a model), so they are kept, and the receivers
+    find them there. Every other table is emptied as before.
+    """
+    from django.contrib.auth.models import Permission
+    from django.contrib.contenttypes.models import ContentType
+    from django.core.management.commands import flush
+
+    kept = {ContentType._meta.db_table, Permission._meta.db_table}
+
+    def sql_flush(style, connection, reset_sequences=True, allow_cascade=False):
+        tables = connection.introspection.django_table_names(
+            only_existing=True, include_views=False
+        )
+        return connection.ops.sql_flush(
+            style,
+            [table for table in tables if table not in kept],
+            reset_sequences=reset_sequences,
+            allow_cascade=allow_cascade,
+        )
+
+    flush.sql_flush = sql_flush
+
+
+_flush_keeps_content_types()
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark the tests of :data:`SERIAL_FOLDERS` ``serial``: ``make test`` runs them in a pass
     of their own after the parallel one, so their timing never competes with other tests.
