@@ -53,49 +53,19 @@ SERIAL_FOLDERS = ("chaos", "e2e", "bench")
 SENTINEL_FOLDERS = ("buffer", "flushing", "write", "read", "app")
 
 
-def _flush_postgresql_by_delete() -> None:
-    """Transactional tests empty every table after each one (Django's ``flush``). On
-    PostgreSQL Django does it with one ``TRUNCATE`` of every table, which gives each table
-    and index a new file: some 0.15 s a test here, about a third of the PostgreSQL runs.
-    A ``DELETE`` of each table with the foreign key triggers off for the transaction
-    (``session_replication_role``, a superuser's setting) leaves the same empty tables in a
-    tenth of that. Without superuser rights, or to reset sequences, Django's own."""
-    try:
-        from django.db.backends.postgresql.operations import DatabaseOperations
-    except ImportError:  # no psycopg
-        return
-    truncate = DatabaseOperations.sql_flush
+def _quick_test_flush() -> None:
+    """The flush that empties every table after a transactional test (Django's ``flush``
+    command), made cheaper in two ways; the tables it empties are as empty as before.
 
-    def sql_flush(self, style, tables, *, reset_sequences=False, allow_cascade=False):
-        conn = self.connection
-        superuser = conn.__dict__.get("_tests_superuser")
-        if superuser is None:
-            with conn.cursor() as cursor:
-                cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
-                superuser = conn.__dict__["_tests_superuser"] = bool(cursor.fetchone()[0])
-        if not tables or reset_sequences or not superuser:
-            return truncate(
-                self, style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
-            )
-        qn = self.quote_name
-        return [
-            "SET LOCAL session_replication_role = replica",
-            *(f"DELETE FROM {qn(table)}" for table in tables),
-        ]
-
-    DatabaseOperations.sql_flush = sql_flush
-
-
-_flush_postgresql_by_delete()
-
-
-def _flush_keeps_content_types() -> None:
-    """The flush after a transactional test keeps the content types and permissions.
-
-    Django then emits ``post_migrate``, whose receivers insert them again when the flush
-    emptied their tables: a few hundred rows after every test. They are the same for the
-    whole session (no test adds or removes a model), so they are kept, and the receivers
-    find them there. Every other table is emptied as before.
+    - The content types and permissions are kept. Django emits ``post_migrate`` after
+      the flush, whose receivers insert them again when the flush emptied their tables: a
+      few hundred rows after every test. They are the same for the whole session (no test
+      adds or removes a model), so the receivers find them there.
+    - On PostgreSQL, a ``DELETE`` of each table with the foreign key triggers off for the
+      transaction (``session_replication_role``, a superuser's setting), as Django's MySQL
+      backend does, not one ``TRUNCATE`` of every table, which gives each table and index
+      a new file: some 0.15 s a test here, about a third of the PostgreSQL runs. Without
+      superuser rights, or to reset sequences, Django's own statements.
     """
     from django.contrib.auth.models import Permission
     from django.contrib.contenttypes.models import ContentType
@@ -107,17 +77,33 @@ def _flush_keeps_content_types() -> None:
         tables = connection.introspection.django_table_names(
             only_existing=True, include_views=False
         )
+        tables = [table for table in tables if table not in kept]
+        if tables and not reset_sequences and _postgresql_superuser(connection):
+            qn = connection.ops.quote_name
+            return [
+                "SET LOCAL session_replication_role = replica",
+                *(f"DELETE FROM {qn(table)}" for table in tables),
+            ]
         return connection.ops.sql_flush(
-            style,
-            [table for table in tables if table not in kept],
-            reset_sequences=reset_sequences,
-            allow_cascade=allow_cascade,
+            style, tables, reset_sequences=reset_sequences, allow_cascade=allow_cascade
         )
 
     flush.sql_flush = sql_flush
 
 
-_flush_keeps_content_types()
+def _postgresql_superuser(connection) -> bool:
+    """Is ``connection`` to PostgreSQL, as a superuser? (Asked once per connection.)"""
+    if connection.vendor != "postgresql":
+        return False
+    superuser = connection.__dict__.get("_tests_superuser")
+    if superuser is None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            superuser = connection.__dict__["_tests_superuser"] = bool(cursor.fetchone()[0])
+    return superuser
+
+
+_quick_test_flush()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

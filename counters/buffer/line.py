@@ -133,7 +133,7 @@ class Line:
         if len(self._heads) >= HEADS_KEPT:
             self._heads.clear()
         parts = [b"EVALSHA", self.sha.encode(), b"%d" % len(keys)]
-        parts += [key.encode() if isinstance(key, str) else bytes(key) for key in keys]
+        parts += [key.encode() for key in keys]
         head = b"*%d\r\n" % (len(parts) + 6) + b"".join(map(_bulk, parts))
         self._heads[keys] = head
         return head
