@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from contextlib import nullcontext
+from dataclasses import replace
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -50,7 +51,7 @@ from counters.flushing.quarantine import ERROR_LIMIT, BatchLost, error_line, nar
 from counters.flushing.result import FlushResult, added_up
 from counters.models import FlushBatch
 from counters.write import changes
-from counters.write.apply import DATABASE_ERRORS, apply_deltas
+from counters.write.apply import DATABASE_ERRORS, apply_deltas, prepare_deltas
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +253,7 @@ class ShardFlush:
         is; any other error isolates the batch (:meth:`isolate`) and returns False.
         """
         limits = waits.apply_limits(self.lease_timeout, self.deadline - time.monotonic())
+        batch = prepared(batch, self.using)
         try:
             with waits.limited(limits), self.turn or nullcontext():
                 apply_batch(batch, self.using, self.result)
@@ -302,6 +304,22 @@ class ShardFlush:
             return False
         self.moved += len(batch.items)
         return self.moved >= self.target and not self.returned
+
+
+def prepared(batch: Batch, using: str) -> Batch:
+    """``batch`` with its items :class:`~counters.write.apply.Prepared`, before the turn.
+
+    The grouping and the statements are built while another lane's batch is in
+    the database, so a turn holds the database's work and little Python. A
+    batch that cannot be prepared (a member no counter reads) is returned as
+    it is: :func:`apply_batch` meets the same error, and the batch is
+    isolated as any other that fails there.
+    """
+    try:
+        items = prepare_deltas(batch.items, using)
+    except Exception:
+        return batch
+    return replace(batch, items=items)
 
 
 def chosen_shards(buffer: Buffer, shards: Iterable[int] | None) -> list[int]:

@@ -36,7 +36,14 @@ from counters.base.registry import CounterSpec, get_spec
 from counters.base.utils import LOG_DELTAS, batched, first_line
 from counters.write import natural_keys
 from counters.write.changes import Changes, merge
-from counters.write.upsert import CHUNK, apply_postgresql, apply_sqlite, new_value
+from counters.write.upsert import (
+    CHUNK,
+    UpdatePlan,
+    apply_postgresql,
+    apply_sqlite,
+    new_value,
+    plan_postgresql,
+)
 from counters.write.upsert_composite import apply_composite
 from counters.write.upsert_mysql import apply_mysql
 
@@ -78,6 +85,48 @@ def group_by_spec(deltas: Mapping[str, int]) -> dict[CounterSpec, dict[Any, int]
         key = to_key(raw_key)
         keyed[key] = keyed.get(key, 0) + delta
     return grouped
+
+
+class Prepared(dict[str, int]):
+    """A batch's deltas ({member: delta}), with what applying them needs that is not the database's.
+
+    :func:`prepare_deltas` groups the members by counter and, on PostgreSQL, builds
+    each counter's batch ``UPDATE`` (:class:`counters.write.upsert.UpdatePlan`).
+    The flush prepares a batch before it takes its turn at the database, so
+    that the turn holds the round trips and little Python.
+    :func:`apply_deltas` takes it as any other mapping of deltas. It is the
+    deltas it was made from, unchanged, for whoever reads it as a dict.
+    """
+
+    using: str
+    #: {spec: {typed key: nonzero delta}}, as :func:`group_by_spec` returns, zeros left out;
+    #: :class:`Planned` where the statement could be built beforehand.
+    grouped: dict[CounterSpec, dict[Any, int]]
+
+
+class Planned(dict[Any, int]):
+    """One counter's {typed key: nonzero delta}, with the statement that adds them (``plan``)."""
+
+    plan: UpdatePlan
+
+
+def prepare_deltas(deltas: Mapping[str, int], using: str) -> Prepared:
+    """``deltas`` ({member: delta}) as a :class:`Prepared` batch for database ``using``.
+
+    Raises as :func:`apply_deltas` would for a member it cannot read (an unknown
+    counter, a key of the wrong type): the caller isolates the batch as it would then.
+    """
+    batch = Prepared(deltas)
+    batch.using = using
+    conn = connections[using]
+    plans = conn.vendor == "postgresql"
+    batch.grouped = {}
+    for spec, keyed in group_by_spec(deltas).items():
+        nonzero = Planned((k, d) for k, d in keyed.items() if d)
+        if plans and nonzero and spec.codec is None:
+            nonzero.plan = plan_postgresql(spec, nonzero, conn)
+        batch.grouped[spec] = nonzero
+    return batch
 
 
 def _alive(spec: CounterSpec, keys: list, using: str) -> set:
@@ -160,21 +209,30 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
     """Add ``keyed`` ({key: delta}) to ``spec``'s rows. Call inside a transaction.
 
     Missing rows are created with their delta, unless the row they count for
-    is gone: those deltas are dropped.
+    is gone: those deltas are dropped. ``keyed`` may be :class:`Planned` (by
+    :func:`prepare_deltas`): its statement is run as built.
     """
-    keyed = {k: d for k, d in keyed.items() if d}
-    if not keyed:
+    plan: UpdatePlan | None
+    nonzero: dict[Any, int]
+    if isinstance(keyed, Planned) and hasattr(keyed, "plan"):
+        plan, nonzero = keyed.plan, keyed
+    else:
+        plan, nonzero = None, {k: d for k, d in keyed.items() if d}
+    if not nonzero:
         return Applied(keys=0, deltas=0, dropped=0, statements=0)
-    applier = APPLIERS.get(connections[using].vendor, _apply_generic)
-    if spec.codec is not None:  # a composite key: its own upsert over its columns
-        applier = apply_composite
-    applied, statements = applier(spec, keyed, using)
-    dropped = [] if applied.issuperset(keyed) else [k for k in keyed if k not in applied]
+    if plan is not None:
+        applied, statements = apply_postgresql(spec, nonzero, using, plan)
+    else:
+        applier = APPLIERS.get(connections[using].vendor, _apply_generic)
+        if spec.codec is not None:  # a composite key: its own upsert over its columns
+            applier = apply_composite
+        applied, statements = applier(spec, nonzero, using)
+    dropped = [] if applied.issuperset(nonzero) else [k for k in nonzero if k not in applied]
     if natural_keys.reusable(spec):
         # A natural key may come back: what its deleted parent was owed is kept for it,
         # and taken in by the row of a parent created again.
         if dropped:
-            natural_keys.keep(spec, {k: keyed[k] for k in dropped}, using)
+            natural_keys.keep(spec, {k: nonzero[k] for k in dropped}, using)
         if applied:
             natural_keys.fold(spec, sorted(applied), using)
     if dropped:
@@ -184,9 +242,9 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
             spec.name,
             sorted(dropped)[:LOG_DELTAS],
         )
-    changed = {k: d for k, d in keyed.items() if k in applied} if dropped else keyed
+    changed = {k: d for k, d in nonzero.items() if k in applied} if dropped else nonzero
     return Applied(
-        keys=len(keyed) - len(dropped),
+        keys=len(nonzero) - len(dropped),
         deltas=sum(map(abs, changed.values())),
         dropped=len(dropped),
         statements=statements,
@@ -238,10 +296,17 @@ def _attempt(deltas: Mapping[str, int], using: str) -> Applied | str:
 
 
 def apply_deltas(deltas: Mapping[str, int], using: str) -> Applied:
-    """Apply {member: delta} across every counter named in the members."""
+    """Apply {member: delta} across every counter named in the members.
+
+    ``deltas`` may be :class:`Prepared` for ``using``: its grouping and statements are used.
+    """
     keys = total = dropped = statements = 0
     changes: Changes = {}
-    for spec, keyed in group_by_spec(deltas).items():
+    if isinstance(deltas, Prepared) and deltas.using == using:
+        grouped = deltas.grouped
+    else:
+        grouped = group_by_spec(deltas)
+    for spec, keyed in grouped.items():
         applied = apply_spec(spec, keyed, using)
         keys += applied.keys
         total += applied.deltas

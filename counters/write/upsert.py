@@ -14,6 +14,7 @@ import sqlite3
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -150,7 +151,43 @@ def in_key_order(using: str) -> Iterator[None]:
         _in_key_order.reset(token)
 
 
-def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> tuple[set, int]:
+@dataclass(frozen=True)
+class UpdatePlan:
+    """The batch ``UPDATE`` of :func:`apply_postgresql`, built: no database round trip needed.
+
+    The flush builds it before its turn at the database (:class:`counters.write.apply.Prepared`),
+    so that the turn holds the statement's round trip and little else.
+    """
+
+    sql: str
+    params: list[Any]
+    #: {database value: the caller's key}, as :func:`prepared` returns.
+    by_db: dict[Any, Any]
+    #: Whether the statement adds by ``CASE`` (it then needs :data:`KEY_ORDER_SETTINGS`).
+    by_case: bool
+
+
+def plan_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], conn) -> UpdatePlan:
+    """The :class:`UpdatePlan` adding ``keyed`` (nonzero deltas) to ``spec``'s rows on ``conn``."""
+    n = Names(spec, conn)
+    by_db = prepared(spec, keyed, conn)
+    keys = sorted(by_db)
+    by_delta: dict[int, list[Any]] = {}
+    for db_key in keys:
+        by_delta.setdefault(keyed[by_db[db_key]], []).append(db_key)
+    touches = n.touches(conn)
+    by_delta_case = len(by_delta) <= CASE_DELTAS and binds_on_client(conn)
+    if by_delta_case:
+        ctes, params = _by_case(n, by_delta, keys, touches)
+    else:
+        ctes, params = _joined(n, keyed, by_db, keys, touches)
+    sql = f"WITH {ctes} SELECT count(*), CASE WHEN count(*) < %s THEN array_agg(u.k) END FROM u"
+    return UpdatePlan(sql, [*params, len(by_db)], by_db, by_delta_case)
+
+
+def apply_postgresql(
+    spec: CounterSpec, keyed: Mapping[Any, int], using: str, plan: UpdatePlan | None = None
+) -> tuple[set, int]:
     """One additive ``UPDATE`` per batch; the upsert for the rows it missed.
 
     Nearly every key of a flush has its row already, and an additive UPDATE
@@ -170,29 +207,20 @@ def apply_postgresql(spec: CounterSpec, keyed: Mapping[Any, int], using: str) ->
     distinct deltas still does (:func:`_joined`), as does a connection that
     binds parameters on the server (:func:`binds_on_client`). Both lock the rows in key
     order, as the upsert does.
+
+    ``plan`` is the statement built beforehand by :func:`plan_postgresql` for these
+    ``keyed``; without it, it is built here.
     """
     conn = connections[using]
-    n = Names(spec, conn)
-    by_db = prepared(spec, keyed, conn)
-    keys = sorted(by_db)
-    by_delta: dict[int, list[Any]] = {}
-    for db_key in keys:
-        by_delta.setdefault(keyed[by_db[db_key]], []).append(db_key)
-    touches = n.touches(conn)
-    by_delta_case = len(by_delta) <= CASE_DELTAS and binds_on_client(conn)
-    if by_delta_case:
-        ctes, params = _by_case(n, by_delta, keys, touches)
-    else:
-        ctes, params = _joined(n, keyed, by_db, keys, touches)
+    if plan is None:
+        plan = plan_postgresql(spec, keyed, conn)
+    by_db = plan.by_db
     with conn.cursor() as cursor:
         replaced = None
-        if by_delta_case and _in_key_order.get() != using:
+        if plan.by_case and _in_key_order.get() != using:
             cursor.execute(IN_KEY_ORDER)
             replaced = cursor.fetchone()[:2]
-        cursor.execute(
-            f"WITH {ctes} SELECT count(*), CASE WHEN count(*) < %s THEN array_agg(u.k) END FROM u",
-            [*params, len(by_db)],
-        )
+        cursor.execute(plan.sql, plan.params)
         changed, found = cursor.fetchone()
         if replaced is not None:  # the caller's transaction, if it goes on, plans as it did
             cursor.execute(RESTORED, list(replaced))
