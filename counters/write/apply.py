@@ -214,8 +214,8 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
     """
     plan: UpdatePlan | None
     nonzero: dict[Any, int]
-    if isinstance(keyed, Planned) and hasattr(keyed, "plan"):
-        plan, nonzero = keyed.plan, keyed
+    if isinstance(keyed, Planned):  # zeros left out already
+        plan, nonzero = getattr(keyed, "plan", None), keyed
     else:
         plan, nonzero = None, {k: d for k, d in keyed.items() if d}
     if not nonzero:
