@@ -128,7 +128,7 @@ class InsertPlan:
     one when the model's trackers change).
     """
 
-    __slots__ = ("attnames", "native", "trackers")
+    __slots__ = ("attnames", "native", "steps", "trackers")
 
     def __init__(self, model: type[models.Model], trackers: tuple[Tracker, ...]) -> None:
         self.trackers = trackers
@@ -136,6 +136,17 @@ class InsertPlan:
         self.attnames = tuple(f.attname for f in fields)
         #: ``(attname, type)`` of the fields whose values of that type are stored as they are.
         self.native = tuple((f.attname, native_type(f)) for f in fields)
+        #: Per tracker, what :meth:`Tracker.contribution` reads: the key's attname, the
+        #: condition, the amount's attname (None: each row adds 1) and the counter's name.
+        self.steps = tuple(
+            (
+                t.key_name,
+                t.condition,
+                t.amount_field.attname if t.amount_field is not None else None,
+                t.name,
+            )
+            for t in trackers
+        )
 
     def has_expression(self, values: dict[str, Any]) -> bool:
         """Whether a tracked value in ``values`` (an instance's ``__dict__``) is an expression."""
@@ -157,10 +168,20 @@ class InsertPlan:
         return row
 
     def members(self, row: Row) -> dict[str, int]:
-        """``{member: delta}`` of the inserted ``row`` (zeros may be left in)."""
+        """``{member: delta}`` of the inserted ``row`` (zeros may be left in).
+
+        What :meth:`Tracker.add_members` adds for a new row, each tracker's
+        steps read once here instead of per call.
+        """
         members: dict[str, int] = {}
-        for tracker in self.trackers:
-            tracker.add_members(members, (), (row,))
+        for key_name, condition, amount, name in self.steps:
+            key = row[key_name]
+            if key is None or not condition(row):
+                continue
+            delta = 1 if amount is None else row[amount] or 0
+            if delta:
+                member = registry.get_spec(name).member(key)
+                members[member] = members.get(member, 0) + delta
         return members
 
 

@@ -229,6 +229,9 @@ def _leaf(
         target = python_value(field, value)
     except Exception as exc:
         raise WhereError(f"where {path!r}: {value!r} is not a value of that field ({exc})") from exc
+    if lookup == "exact" and type(target) in PLAIN_TYPES:
+        # None equals no value of these types: the test of NULL is the comparison's own
+        return lambda row: row[attname] == target
     compare = _COMPARE[lookup]
     return lambda row: row[attname] is not None and compare(row[attname], target)
 

@@ -94,3 +94,37 @@ def test_the_plan_follows_the_trackers_of_its_model(monkeypatch):
     assert [t.name for t in after.trackers] == ["post_comments"]
     monkeypatch.undo()
     assert insert_plan(Comment).trackers == before.trackers
+
+
+ROWS = {
+    Notification: [
+        {"recipient_id": 7, "is_read": False},
+        {"recipient_id": 7, "is_read": True},
+        {"recipient_id": None, "is_read": False},
+        {"recipient_id": 2**40, "is_read": False},
+    ],
+    Comment: [
+        {"post_id": 3, "approved": True, "points": 4},
+        {"post_id": 3, "approved": True, "points": 0},
+        {"post_id": 3, "approved": False, "points": 5},
+        {"post_id": None, "approved": True, "points": 2},
+        {"post_id": 9, "approved": True, "points": -6},
+    ],
+}
+
+
+@pytest.mark.parametrize("model", [Notification, Comment])
+def test_the_plans_members_are_what_each_tracker_adds_for_a_new_row(model):
+    """:meth:`InsertPlan.members` reads each tracker's key, condition and amount as
+    :meth:`Tracker.add_members` does: the same members and deltas for every row."""
+    plan = insert_plan(model)
+    assert plan is not None
+    counted = 0
+    for row in ROWS[model]:
+        expected: dict[str, int] = {}
+        for tracker in plan.trackers:
+            tracker.add_members(expected, (), (row,))
+        expected = {member: delta for member, delta in expected.items() if delta}
+        assert plan.members(row) == expected, row
+        counted += bool(expected)
+    assert counted == {Notification: 2, Comment: 3}[model]
