@@ -63,7 +63,15 @@ class Intake(Keyspace):
 
         :meth:`PushPlan.outcome` reads their replies as :meth:`push` does.
         """
-        pid = PushId.of(push_id)
+        pid = push_id if type(push_id) is PushId else PushId.of(push_id)
+        if len(deltas) == 1:  # a push of one member: its shard's script alone
+            ((member, delta),) = deltas.items()
+            if type(delta) is int and 0 < abs(delta) < SCORE_LIMIT:
+                shard = crc32(member.encode()) % self.shards
+                now_ms = int(time.time() * 1000)
+                call = [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, pid.seq, member, delta]
+                keys = self._push_keys(shard, pid.writer)
+                return PushPlan(push_id, deltas, {shard: [member, delta]}, {}, [(keys, call)])
         groups: dict[int, list[str | int]] = {}
         refused: dict[str, int] = {}
         shards = self.shards

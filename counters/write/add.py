@@ -45,6 +45,9 @@ def add_members(members: Mapping[str, int], *, using: str = DEFAULT_DB_ALIAS) ->
     """Add deltas given per Redis member (``"<name>:<normalised key>"``, as
     :meth:`CounterSpec.member <counters.base.registry.CounterSpec.member>` makes
     them) after commit; zeros are left out. The counted paths' entry."""
-    changed = {member: delta for member, delta in members.items() if delta}
+    if all(members.values()):
+        changed = dict(members)
+    else:
+        changed = {member: delta for member, delta in members.items() if delta}
     if changed:
         transactions.record(changed, using, delivery.send, durable.hook)

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 #: A process whose settings change records the new layout, and records an earlier one again
 #: when it goes back to it: that layout may have been retired in between.
 _recorded: dict[str, tuple[str, int, bool]] = {}
+#: Database alias -> the buffer whose layout was recorded last there (its layout's key is
+#: ``_recorded``'s): the same buffer again needs no other check.
+_recorded_buffer: dict[str, Buffer] = {}
 _lock = threading.Lock()
 
 
@@ -52,8 +55,11 @@ def ensure_recorded(buffer: Buffer, using: str) -> None:
     failure is logged and the next push tries again (a Redis that cannot be
     reached fails the push too, which then goes to the DB directly).
     """
+    if _recorded_buffer.get(using) is buffer:
+        return
     key = (buffer.prefix, buffer.shards, is_cluster(buffer))
     if _recorded.get(using) == key:
+        _recorded_buffer[using] = buffer
         return
     with _lock:
         if _recorded.get(using) == key:
@@ -68,6 +74,7 @@ def ensure_recorded(buffer: Buffer, using: str) -> None:
             )
             return
         _recorded[using] = key
+        _recorded_buffer[using] = buffer
 
 
 def record_layout(buffer: Buffer, using: str) -> BufferLayout:

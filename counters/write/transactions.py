@@ -283,7 +283,7 @@ def record(
     # ``autocommit`` is what get_autocommit() returns once connected, without its checks
     connected = conn.connection is not None
     if not in_atomic and (conn.autocommit if connected else conn.get_autocommit()):
-        now = {member: delta for member, delta in deltas.items() if delta}
+        now = deltas if all(deltas.values()) else {m: d for m, d in deltas.items() if d}
         if not now:
             return
         if durable is not None and durable.enabled():
