@@ -43,13 +43,6 @@ READ_SIZE = 65536
 #: Heads of the push scripts' commands kept per line (``EVALSHA``, the sha, the keys).
 HEADS_KEPT = 256
 
-#: A push of one member, after the head: its six arguments as RESP bulk strings.
-_ONE_MEMBER = b"$%d\r\n%b\r\n" * 6
-
-
-def _bulk(value: bytes) -> bytes:
-    return b"$%d\r\n%b\r\n" % (len(value), value)
-
 
 class Line:
     """One connection of its own to the Redis of ``buffer``, and the pushes written on it.
@@ -78,7 +71,7 @@ class Line:
         self._sock: socket.socket | None = None
         self._reader = Reader(replyError=ResponseError)
         #: Keys of a push -> the encoded head of its command (:meth:`_packed`).
-        self._heads: dict[tuple[str, ...], bytes] = {}
+        self._heads: dict[tuple[str, ...], str] = {}
 
     def send(self, plan: PushPlan) -> None:
         """Write ``plan``'s scripts to the connection, without reading their replies.
@@ -107,34 +100,40 @@ class Line:
 
         The push of one member (six arguments: the script's four, a member and
         its delta) with its keys as a tuple (:class:`Intake` keeps one per shard
-        and writer) is encoded here, its head (the command, the sha and the
-        keys) kept per line; anything else by hiredis. Both give the same bytes.
+        and writer), all of it ASCII, is encoded here as text, its head (the
+        command, the sha and the keys) kept per line; anything else by hiredis.
+        Both give the same bytes.
         """
         if len(args) == 6 and type(keys) is tuple:
             ttl, now_ms, max_age, seq, member, delta = args
             if (
                 type(member) is str
                 and type(ttl) is type(now_ms) is type(max_age) is type(seq) is type(delta) is int
+                and member.isascii()
             ):
                 head = self._heads.get(keys)
                 if head is None:
                     head = self._head(keys)
-                a, b, c = b"%d" % ttl, b"%d" % now_ms, b"%d" % max_age
-                d, e, f = b"%d" % seq, member.encode(), b"%d" % delta
-                # fmt: off
-                return head + _ONE_MEMBER % (
-                    len(a), a, len(b), b, len(c), c, len(d), d, len(e), e, len(f), f
-                )
-                # fmt: on
+                if head:  # "": keys of other characters than ASCII
+                    a, b, c, d, f = str(ttl), str(now_ms), str(max_age), str(seq), str(delta)
+                    # fmt: off
+                    return (
+                        f"{head}${len(a)}\r\n{a}\r\n${len(b)}\r\n{b}\r\n${len(c)}\r\n{c}\r\n"
+                        f"${len(d)}\r\n{d}\r\n${len(member)}\r\n{member}\r\n"
+                        f"${len(f)}\r\n{f}\r\n"
+                    ).encode()
+                    # fmt: on
         return pack(("EVALSHA", self.sha, len(keys), *keys, *args))
 
-    def _head(self, keys: tuple[str, ...]) -> bytes:
-        """The encoded start of a one-member push with ``keys``, kept (a few per line)."""
+    def _head(self, keys: tuple[str, ...]) -> str:
+        """The start of a one-member push with ``keys`` as text, kept (a few per line);
+        "" if a key is not ASCII (hiredis encodes those pushes)."""
         if len(self._heads) >= HEADS_KEPT:
             self._heads.clear()
-        parts = [b"EVALSHA", self.sha.encode(), b"%d" % len(keys)]
-        parts += [key.encode() for key in keys]
-        head = b"*%d\r\n" % (len(parts) + 6) + b"".join(map(_bulk, parts))
+        parts = ["EVALSHA", self.sha, str(len(keys)), *keys]
+        head = ""
+        if all(part.isascii() for part in parts):
+            head = f"*{len(parts) + 6}\r\n" + "".join(f"${len(p)}\r\n{p}\r\n" for p in parts)
         self._heads[keys] = head
         return head
 
@@ -147,13 +146,16 @@ class Line:
         connection (then :meth:`abandon` the pushes still unread).
         """
         plan = self.unread.popleft()
+        calls = plan.calls
         try:
-            replies = [self._reply() for _ in plan.calls]
+            replies = [self._reply()] if len(calls) == 1 else [self._reply() for _ in calls]
         except BaseException as exc:
             self._break()
             if isinstance(exc, Exception):
                 raise _redis_error(exc, "reading from") from exc
             raise
+        if len(replies) == 1 and type(replies[0]) is int:  # a one-shard push's code
+            return plan, replies
         for reply in replies:
             if isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT"):
                 raise NoScriptError(str(reply))

@@ -55,6 +55,18 @@ def test_arguments_of_other_types_go_to_hiredis(line):
         assert line._packed(keys, args) == expected(line, keys, args)
 
 
+def test_a_push_of_other_characters_than_ascii_goes_to_hiredis(line):
+    args = [60000, 1, 600000, 1, "m:1", 1]
+    keys = ("préfixe:{0}:pending", "préfixe:{0}:w:a", "préfixe:{0}:since")
+    assert line._packed(keys, args) == expected(line, keys, args)
+    assert line._heads[keys] == ""  # kept as such: hiredis encodes it each time
+    assert line._packed(keys, args) == expected(line, keys, args)
+    ascii_keys = ("k:{0}:pending", "k:{0}:w:a", "k:{0}:since")
+    assert line._packed(ascii_keys, [60000, 1, 600000, 1, "m:é", 1]) == expected(
+        line, ascii_keys, [60000, 1, 600000, 1, "m:é", 1]
+    )
+
+
 def test_heads_are_kept_per_keys_and_bounded(line):
     args = [60000, 1, 600000, 1, "m:1", 1]
     for i in range(HEADS_KEPT + 5):
