@@ -101,7 +101,7 @@ ROWS = {
         {"recipient_id": 7, "is_read": False},
         {"recipient_id": 7, "is_read": True},
         {"recipient_id": None, "is_read": False},
-        {"recipient_id": 2**40, "is_read": False},
+        {"recipient_id": 2**30, "is_read": False},
     ],
     Comment: [
         {"post_id": 3, "approved": True, "points": 4},
