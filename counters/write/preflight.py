@@ -58,11 +58,9 @@ def ensure_recorded(buffer: Buffer, using: str) -> None:
     if _recorded_buffer.get(using) is buffer:
         return
     key = (buffer.prefix, buffer.shards, is_cluster(buffer))
-    if _recorded.get(using) == key:
-        _recorded_buffer[using] = buffer
-        return
-    with _lock:
+    with _lock:  # both dicts change together, under the lock
         if _recorded.get(using) == key:
+            _recorded_buffer[using] = buffer
             return
         try:
             record_layout(buffer, using)
