@@ -131,8 +131,7 @@ class Acks:
             try:
                 plan, replies = self.line.receive()
                 self.waiting.popleft()
-                if replies != [1] or plan.refused:  # else added in full: nothing to check
-                    plan.check(replies)
+                plan.check(replies)
             except Exception as exc:
                 if self.waiting and self.waiting[0] is push:
                     self.waiting.popleft()

@@ -28,13 +28,10 @@ from counters.models import BufferEpoch, BufferLayout, describe_layout
 
 logger = logging.getLogger(__name__)
 
-#: Database alias -> (prefix, shards, cluster) of the layout this process recorded last there.
-#: A process whose settings change records the new layout, and records an earlier one again
-#: when it goes back to it: that layout may have been retired in between.
-_recorded: dict[str, tuple[str, int, bool]] = {}
-#: Database alias -> the buffer whose layout was recorded last there (its layout's key is
-#: ``_recorded``'s): the same buffer again needs no other check.
-_recorded_buffer: dict[str, Buffer] = {}
+#: Database alias -> the buffer whose layout this process recorded last there. A process
+#: whose settings change records the new layout, and records an earlier one again when it
+#: goes back to it: that layout may have been retired in between.
+_recorded: dict[str, Buffer] = {}
 _lock = threading.Lock()
 
 
@@ -55,12 +52,13 @@ def ensure_recorded(buffer: Buffer, using: str) -> None:
     failure is logged and the next push tries again (a Redis that cannot be
     reached fails the push too, which then goes to the DB directly).
     """
-    if _recorded_buffer.get(using) is buffer:
+    if _recorded.get(using) is buffer:
         return
-    key = (buffer.prefix, buffer.shards, is_cluster(buffer))
-    with _lock:  # both dicts change together, under the lock
-        if _recorded.get(using) == key:
-            _recorded_buffer[using] = buffer
+    key = _layout(buffer)
+    with _lock:
+        last = _recorded.get(using)
+        if last is not None and _layout(last) == key:  # the same layout, another buffer
+            _recorded[using] = buffer
             return
         try:
             record_layout(buffer, using)
@@ -71,8 +69,12 @@ def ensure_recorded(buffer: Buffer, using: str) -> None:
                 exc,
             )
             return
-        _recorded[using] = key
-        _recorded_buffer[using] = buffer
+        _recorded[using] = buffer
+
+
+def _layout(buffer: Buffer) -> tuple[str, int, bool]:
+    """``(prefix, shards, cluster)``: where ``buffer``'s deltas go in Redis."""
+    return (buffer.prefix, buffer.shards, is_cluster(buffer))
 
 
 def record_layout(buffer: Buffer, using: str) -> BufferLayout:

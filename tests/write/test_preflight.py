@@ -18,7 +18,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 @pytest.fixture
 def fresh(monkeypatch):
     monkeypatch.setattr(preflight, "_recorded", {})
-    monkeypatch.setattr(preflight, "_recorded_buffer", {})
 
 
 def test_a_layout_is_recorded_once_and_again_when_a_process_comes_back_to_it(
