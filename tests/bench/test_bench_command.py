@@ -100,11 +100,13 @@ def leftovers(prefix: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def quick_run(django_db_setup, django_db_blocker) -> tuple[dict, dict, dict]:
-    """The JSON of one quick run, and what was left over before and after it."""
+    """The JSON of one quick run, its writes at 1 and 2 writers, and what was left over
+    before and after it."""
     with django_db_blocker.unblock():
         before = leftovers("bench-")
         env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONUNBUFFERED": "1"}
-        code, out, err = run_manage("counters_bench", "--quick", "--json", env=env, timeout=280)
+        args = ("counters_bench", "--quick", "--processes", "2,1", "--json")
+        code, out, err = run_manage(*args, env=env, timeout=280)
         assert code == 0, err
         data = json.loads(out)
         after = leftovers(data["key_prefix"])
@@ -302,21 +304,19 @@ def test_idempotency_section_old_markers_grow_and_new_marks_stay_flat(idempotenc
 
 
 @pytest.fixture(scope="module")
-def sweep_run(django_db_setup, django_db_blocker) -> tuple[dict, str]:
-    """A quick run of the writes alone at 1 and 2 writers: its JSON and its table."""
+def sweep_table(django_db_setup, django_db_blocker) -> str:
+    """The table of a quick run of the writes alone at 1 and 2 writers."""
     with django_db_blocker.unblock():
         env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONUNBUFFERED": "1"}
         args = ("counters_bench", "--quick", "--sections", "writes", "--processes", "2,1")
-        code, out, err = run_manage(*args, "--json", env=env, timeout=280)
-        assert code == 0, err
         code, table, err = run_manage(*args, env=env, timeout=280)
         assert code == 0, err
-    return json.loads(out), table
+    return table
 
 
 @pytest.mark.redis
-def test_processes_sweep_measures_every_count_in_one_run(sweep_run):
-    data, _ = sweep_run
+def test_processes_sweep_measures_every_count_in_one_run(quick_run):
+    data, _, _ = quick_run
     writes = data["writes"]
     assert data["config"]["process_counts"] == [1, 2]
     assert data["config"]["processes"] == 2
@@ -335,9 +335,8 @@ def test_processes_sweep_measures_every_count_in_one_run(sweep_run):
 
 
 @pytest.mark.redis
-def test_processes_sweep_prints_one_table_with_a_row_per_count_and_workload(sweep_run):
-    _, table = sweep_run
-    lines = table.splitlines()
+def test_processes_sweep_prints_one_table_with_a_row_per_count_and_workload(sweep_table):
+    lines = sweep_table.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("procs"))
     for column in ("trigger", "tally/off", "trigger/off", "tally/trigger"):
         assert column in lines[header].split()

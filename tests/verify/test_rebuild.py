@@ -70,9 +70,15 @@ def test_rebuild_of_selected_users_only(corrupted):
     assert UnreadCounter.objects.get_count(users[3]) == 0  # an unread count never reads < 0
 
 
+def quick_env(**extra: str) -> dict[str, str]:
+    """The project's settings with a short Redis timeout: the command confirms a difference
+    after readings twice that timeout apart, so a short one makes confirmations quick."""
+    return project_env(COUNTERS_SOCKET_TIMEOUT="0.2", **extra)
+
+
 def test_command_dry_run_exits_3_with_one_json_line_per_wrong_counter(corrupted):
     users = corrupted
-    code, out, err = run_manage("notification_rebuild_counters", "--dry-run")
+    code, out, err = run_manage("notification_rebuild_counters", "--dry-run", env=quick_env())
     assert code == 3, err
     lines = out.strip().splitlines()
     rows = [json.loads(line) for line in lines[:-1]]
@@ -86,12 +92,12 @@ def test_command_dry_run_exits_3_with_one_json_line_per_wrong_counter(corrupted)
 
 def test_command_repairs_then_finds_nothing(corrupted):
     users = corrupted
-    code, out, _ = run_manage("notification_rebuild_counters", "--json")
+    code, out, _ = run_manage("notification_rebuild_counters", "--json", env=quick_env())
     assert code == 0
     data = json.loads(out)
     assert (data["repaired"], data["checked"]) == (2, 5)
     code, out, _ = run_manage(
-        "notification_rebuild_counters", "--dry-run", "--user", str(users[1].pk)
+        "notification_rebuild_counters", "--dry-run", "--user", str(users[1].pk), env=quick_env()
     )
     assert code == 0
     assert out.strip().endswith("found 0 wrong in " + out.strip().split(" in ")[-1])
@@ -218,9 +224,7 @@ def test_rebuild_beside_steady_writers_repairs_nothing_that_was_exact(make_user)
 
 def env(**extra: str) -> dict[str, str]:
     """The blog app is installed in the test settings; short timeouts make confirmations quick."""
-    return project_env(
-        DJANGO_SETTINGS_MODULE="tests.settings", COUNTERS_SOCKET_TIMEOUT="0.2", **extra
-    )
+    return quick_env(DJANGO_SETTINGS_MODULE="tests.settings", **extra)
 
 
 def corrupt(post: Post, **values: int) -> None:
