@@ -68,9 +68,7 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-# --no-compile: a module is compiled when it is first imported, so only those in use are
-# (it takes a third off an install).
-PIP_INSTALL = pip install --quiet --no-compile
+PIP_INSTALL = pip install --quiet
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
