@@ -17,8 +17,10 @@ and shard, however many pushes there are. It holds because of two rules:
   (high-water mark at or above it) or marks it so that a late delivery is refused.
 
 The usual caller is :func:`counters.write.delivery.send`, which allocates, pushes and
-releases or retires on its own. Code that needs the id before the push (to
-store it with the transaction, as text, before COMMIT) allocates it first::
+releases or retires on its own. A line of :mod:`counters.write.acks` (pushes whose
+replies are read later) keeps writers of its own (:class:`Writer`) under the same two
+rules. Code that needs the id before the push (to store it with the transaction, as
+text, before COMMIT) allocates it first::
 
     push_id = pushids.allocate()          # before COMMIT; str(push_id) can be stored
     ...                                   # COMMIT; if it rolls back: pushids.release(push_id)

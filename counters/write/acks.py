@@ -44,7 +44,7 @@ from counters.base.exceptions import NotConnected
 from counters.buffer import pushids
 from counters.buffer.intake import PushPlan
 from counters.buffer.line import Line
-from counters.buffer.pushids import PushId
+from counters.buffer.pushids import PushId, Writer
 from counters.buffer.store import Buffer
 from counters.write import exits
 
@@ -63,9 +63,13 @@ Complete = Callable[[Mapping[str, int], str, PushId, BaseException], None]
 
 
 class Waiting:
-    """A push written to a line, waiting for its reply."""
+    """A push written to a line, waiting for its reply.
 
-    __slots__ = ("complete", "deltas", "plan", "push_id", "sent_at", "using")
+    ``writer``: the line's own writer that pushes it (:meth:`Acks.push`), else
+    None (its id was allocated from :mod:`~counters.buffer.pushids`' pool).
+    """
+
+    __slots__ = ("complete", "deltas", "plan", "push_id", "sent_at", "using", "writer")
 
     def __init__(
         self,
@@ -74,12 +78,14 @@ class Waiting:
         deltas: Mapping[str, int],
         using: str,
         complete: Complete,
+        writer: Writer | None = None,
     ) -> None:
         self.plan = plan
         self.push_id = push_id
         self.deltas = deltas
         self.using = using
         self.complete = complete
+        self.writer = writer
         self.sent_at = time.monotonic()
 
 
@@ -87,7 +93,15 @@ Failed = tuple[Waiting, BaseException]
 
 
 class Acks:
-    """One thread's line to the buffer of one database, and the pushes waiting on it."""
+    """One thread's line to the buffer of one database, and the pushes waiting on it.
+
+    The line has writers of its own (:class:`~counters.buffer.pushids.Writer`),
+    kept under its lock, which its sends and reads hold anyway: one per push
+    waiting, each with one push in flight, as for the process's pool. A writer
+    whose push is answered applied pushes again; one whose push failed is
+    dropped, whatever its completion finds (a writer retired after a push that
+    resolved costs only a new writer id).
+    """
 
     def __init__(self, buffer: Buffer, using: str) -> None:
         self.buffer = buffer
@@ -96,6 +110,26 @@ class Acks:
         self.owner = threading.current_thread()
         self.lock = threading.Lock()
         self.waiting: deque[Waiting] = deque()
+        #: The line's writers with no push in flight.
+        self.writers: list[Writer] = []
+
+    def push(self, deltas: Mapping[str, int], complete: Complete) -> list[Failed] | None:
+        """Write the push of ``deltas`` under the next push id of a writer of the line, as
+        :meth:`send`; None if it must be waited on instead (nothing to push, or a member
+        too large for a score: :meth:`~counters.buffer.store.Buffer.plan_push`)."""
+        with self.lock:
+            writers = self.writers
+            writer = writers.pop() if writers else Writer()
+            push_id = writer.next_push_id()
+            try:
+                plan = self.buffer.plan_push(deltas, push_id)
+            except BaseException:
+                writers.append(writer)  # never sent: its next number follows this one
+                raise
+            if not plan.calls or plan.refused:
+                writers.append(writer)
+                return None
+            return self._write(Waiting(plan, push_id, deltas, self.using, complete, writer))
 
     def send(self, push: Waiting) -> list[Failed]:
         """Write ``push``; the failed pushes (of the replies it read, if it read any).
@@ -107,15 +141,18 @@ class Acks:
         :class:`~counters.base.exceptions.NotConnected` if it never left).
         """
         with self.lock:
-            try:
-                self.line.send(push.plan)
-            except Exception as exc:
-                return [*self._broken(exc), (push, exc)]
-            waiting = self.waiting
-            waiting.append(push)
-            if len(waiting) < MAX_WAITING and waiting[0].sent_at > push.sent_at - ACK_AFTER:
-                return []
-            return self._settle(keep=1)  # the replies before it, arrived by now: one read
+            return self._write(push)
+
+    def _write(self, push: Waiting) -> list[Failed]:
+        try:
+            self.line.send(push.plan)
+        except Exception as exc:
+            return [*self._broken(exc), (push, exc)]
+        waiting = self.waiting
+        waiting.append(push)
+        if len(waiting) < MAX_WAITING and waiting[0].sent_at > push.sent_at - ACK_AFTER:
+            return []
+        return self._settle(keep=1)  # the replies before it, arrived by now: one read
 
     def settle(self, older_than: float | None = None) -> list[Failed]:
         """Read the replies of the pushes waiting (those sent before ``older_than``)."""
@@ -139,7 +176,10 @@ class Acks:
                 if self.line.broken:  # the rest were written too, and may have run
                     failed.extend(self._broken(exc))
                 continue
-            pushids.release(push.push_id)
+            if push.writer is not None:
+                self.writers.append(push.writer)
+            else:
+                pushids.release(push.push_id)
         return failed
 
     def _broken(self, exc: BaseException) -> list[Failed]:
@@ -153,6 +193,11 @@ class Acks:
 
     def idle(self) -> bool:
         return not self.waiting
+
+    def writer_count(self) -> int:
+        """The line's writers: with no push in flight, and with one."""
+        with self.lock:
+            return len(self.writers) + sum(push.writer is not None for push in self.waiting)
 
 
 class _State:
@@ -209,26 +254,22 @@ def send(
     without :class:`~counters.middleware.AcknowledgeMiddleware`. Otherwise its
     push id ends when the reply is read, or ``complete`` ends it (also when
     the push could not be written). ``push_id``: an id allocated by the
-    caller (an outbox row's); by default a new one, released here if the
-    push is not written.
+    caller (an outbox row's); by default the next of a writer of the
+    thread's line (:meth:`Acks.push`).
     """
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
-    own = push_id is None
     if push_id is None:
-        push_id = pushids.allocate()
-    try:
+        failed = _acks_of_thread(using, buffer).push(deltas, complete)
+        if failed is None:
+            return False  # never sent: the caller waits on its push
+    else:
         plan = buffer.plan_push(deltas, push_id)
-        acks = _acks_of_thread(using, buffer) if plan.calls and not plan.refused else None
-    except BaseException:
-        if own:
-            pushids.release(push_id)  # never sent
-        raise
-    if acks is None:
-        if own:
-            pushids.release(push_id)  # never sent: the caller waits on its push
-        return False
-    failed = acks.send(Waiting(plan, push_id, deltas, using, complete))
+        if not plan.calls or plan.refused:
+            return False
+        failed = _acks_of_thread(using, buffer).send(
+            Waiting(plan, push_id, deltas, using, complete)
+        )
     if failed:
         _finish(failed)
     state = _state
@@ -249,6 +290,11 @@ def acknowledge(using: str | None = None) -> None:
             failed.extend(acks.settle())
     _finish(failed)
     _wait_for_handed()
+
+
+def writer_count() -> int:
+    """The writers of this process's lines (:class:`Acks`), beside its pool's."""
+    return sum(acks.writer_count() for acks in _lines())
 
 
 def _lines() -> list[Acks]:

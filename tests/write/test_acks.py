@@ -96,6 +96,78 @@ def test_the_push_that_fills_the_line_reads_the_replies_before_it(make_user):
     assert in_redis(alice) == truth(alice) == acks.MAX_WAITING
 
 
+def line_of_thread() -> acks.Acks:
+    (line,) = acks._lines()
+    return line
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_the_pushes_waiting_on_a_line_have_a_writer_each_and_answered_writers_push_again(
+    make_user,
+):
+    alice = make_user()
+    for i in range(3):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    line = line_of_thread()
+    first = [push.push_id for push in line.waiting]
+    assert len({p.writer for p in first}) == 3 and {p.seq for p in first} == {1}
+    assert acks.writer_count() == 3
+    acks.acknowledge()
+    assert (len(line.writers), acks.writer_count()) == (3, 3)
+    for i in range(3):
+        Notification.objects.create(recipient=alice, verb=f"again {i}")
+    again = [push.push_id for push in line.waiting]
+    assert {p.writer for p in again} == {p.writer for p in first}  # no new writer
+    assert {p.seq for p in again} == {2}
+    acks.acknowledge()
+    assert in_redis(alice) == truth(alice) == 6
+    assert fallbacks() == 0
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_the_writer_of_a_failed_push_never_pushes_again(own_redis, make_user):
+    alice, bob = make_user(), make_user()
+    # the first push to this new server is refused for want of its script (and pushed again)
+    for verb in ("loads the script", "answered"):
+        Notification.objects.create(recipient=bob, verb=verb)
+        acks.acknowledge()
+    line = line_of_thread()
+    (answered,) = line.writers
+    with refused_shard(own_redis, alice):
+        Notification.objects.create(recipient=alice, verb="refused")
+        (failed,) = [push.push_id for push in line.waiting]
+        assert failed.writer == answered.id  # the idle writer pushed it
+        acks.acknowledge()
+    assert fallbacks() == 1
+    assert (line.writers, acks.writer_count()) == ([], 0)  # dropped with its push
+    for user in (alice, bob):
+        Notification.objects.create(recipient=user, verb="after")
+    assert failed.writer not in {push.push_id.writer for push in line.waiting}
+    acks.acknowledge()
+    assert in_redis(alice) == 1 and in_redis(bob) == 3
+    counters.flush()
+    assert [stored(alice), stored(bob)] == [truth(alice), truth(bob)] == [2, 3]
+    assert_exact(alice, bob)
+
+
+def test_a_push_the_line_cannot_take_is_waited_on_and_its_writer_kept(make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="first")
+    acks.acknowledge()
+    line = line_of_thread()
+    (writer,) = line.writers
+    seq = writer.seq
+    # a delta too large for a Redis score: the push is waited on (and written directly)
+    big = {f"unread:{alice.pk}": 2**53}
+    assert acks.send(big, "default", get_buffer(), acks_complete) is False
+    assert line.writers == [writer] and writer.seq == seq + 1  # unsent; its next number follows
+    assert not line.waiting
+
+
+def acks_complete(*args) -> None:  # pragma: no cover - a push never written is not completed
+    raise AssertionError(args)
+
+
 def test_other_processes_read_the_change_once_acknowledged(make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="x")
