@@ -68,16 +68,14 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-PIP_INSTALL = pip install --quiet
-
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/$(PIP_INSTALL) --upgrade pip
-	$(BIN)/$(PIP_INSTALL) -e '.[example]'
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[example]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/$(PIP_INSTALL) -e '.[example,test]'
+	$(BIN)/pip install --quiet -e '.[example,test]'
 	touch $@
 
 migrate: install
@@ -113,8 +111,8 @@ test-mariadb: install-test
 $(VENV_DJANGO60)/.installed-test: pyproject.toml
 	@test -n "$(PYTHON_DJANGO60)" || { echo "Django 6.0 needs Python 3.12+: set PYTHON_DJANGO60" >&2; exit 1; }
 	$(PYTHON_DJANGO60) -m venv $(VENV_DJANGO60)
-	$(VENV_DJANGO60)/bin/$(PIP_INSTALL) --upgrade pip
-	$(VENV_DJANGO60)/bin/$(PIP_INSTALL) -e '.[example,test]' 'Django>=6.0,<6.1'
+	$(VENV_DJANGO60)/bin/pip install --quiet --upgrade pip
+	$(VENV_DJANGO60)/bin/pip install --quiet -e '.[example,test]' 'Django>=6.0,<6.1'
 	touch $@
 
 # The suite on Django 6.0, on PostgreSQL, its parallel pass without the Redis side, the
@@ -122,7 +120,7 @@ $(VENV_DJANGO60)/.installed-test: pyproject.toml
 # budget. DJANGO60_DATABASES=sqlite,postgres adds SQLite; DJANGO60_SERIAL=1 adds the serial
 # pass (processes killed and timed; the chaos, e2e and benchmark folders stay out). Also left
 # to the Django 5.2 runs: the 100,000-recipient fan-out (this process's memory, as for Valkey);
-# the two state machines run DJANGO60_STATEFUL_EXAMPLES examples each (100 and 200 there).
+# the two state machines run DJANGO60_STATEFUL_EXAMPLES examples each (200 and 100 there).
 DJANGO60_DATABASES ?= postgres
 DJANGO60_SERIAL ?=
 DJANGO60_STATEFUL_EXAMPLES ?= 50
