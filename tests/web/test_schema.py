@@ -81,8 +81,8 @@ def test_every_operation_conforms(case, session, alice, bob):
 
 
 def inboxes(alice, bob) -> None:
-    """Alice's and bob's notifications as the `session` fixture left them: 5 unread and 2 read
-    for alice, 3 unread for bob, whatever a scenario before read or deleted."""
+    """Alice has 5 unread and 2 read notifications, bob 3 unread, and neither anything else,
+    whatever a scenario before read or deleted."""
     Notification.objects.filter(recipient__in=[alice, bob]).delete()
     notify(alice, 5)
     notify(alice, 2, is_read=True)
