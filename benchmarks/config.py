@@ -7,6 +7,8 @@ from typing import Any
 
 #: ``COUNTERS_SEND_DELAY_MS`` of the ``sender`` write mode by default, in milliseconds.
 SENDER_DELAY_MS = 5.0
+#: ``COUNTERS_WRITE_BATCH`` of the ``batched`` write mode.
+BATCHED_WRITE = 16
 SECTIONS = ("writes", "flush", "parallel", "reads", "async", "memory", "idempotency")
 
 

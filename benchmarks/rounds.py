@@ -11,7 +11,7 @@ from .trigger import CounterTrigger
 from .writers import WORKLOADS, WriterPool, percentile
 
 #: Modes whose runs the Redis probe samples.
-SAMPLED = ("tally", "sender")
+SAMPLED = ("tally", "sender", "batched")
 #: Ratios of ops/s, each the median of its per-round ratios: (numerator, denominator).
 RATIOS = (
     ("tally", "off"),
@@ -22,6 +22,10 @@ RATIOS = (
     ("durable", "tally"),
     ("sender", "off"),
     ("sender", "tally"),
+    ("batched", "off"),
+    ("batched", "trigger"),
+    ("batched", "tally"),
+    ("batched", "floor"),
     ("waited", "off"),
     ("waited", "tally"),
     ("tally", "waited"),
@@ -135,6 +139,8 @@ def _figures(
         figures.update(kept[(workload, "tally")].redis.figures())
         sender = kept[(workload, "sender")].redis.figures()
         figures.update({f"sender_{k}": v for k, v in sender.items()})
+        batched = kept[(workload, "batched")].redis.figures()
+        figures.update({f"batched_{k}": v for k, v in batched.items()})
     figures["rounds"] = {mode: [round(v, 1) for v in values] for mode, values in rates.items()}
     return figures
 

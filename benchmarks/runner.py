@@ -154,7 +154,7 @@ def _checks(
     from .internals import clear_landed
 
     pending = pending_total(buffer)
-    result["tally_ops"] = ops["tally"] + ops["waited"]
+    result["tally_ops"] = ops["tally"] + ops["waited"] + ops["batched"]
     result["durable_ops"] = ops["durable"] + ops["sender"]
     result["tally_pending_deltas"] = pending
     cleared = 0
@@ -163,7 +163,7 @@ def _checks(
     result["outbox_rows_applied"] = cleared
     result["outbox_rows_left"] = Outbox.objects.count()
     result["tally_deltas_match"] = (
-        pending == sum(ops[m] for m in ("tally", "durable", "sender", "waited"))
+        pending == sum(ops[m] for m in ("tally", "durable", "sender", "batched", "waited"))
         and cleared == ops["durable"]  # one row per durable insert, its push applied
         and result["outbox_rows_left"] == 0
     )

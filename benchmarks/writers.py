@@ -1,4 +1,4 @@
-"""Writer processes: notification inserts under eight counter strategies, timed in parallel.
+"""Writer processes: notification inserts under ten counter strategies, timed in parallel.
 
 Modes:
 
@@ -15,6 +15,9 @@ Modes:
 - ``sender``: ``tally`` with the per-process sender on
   (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5 ms by default): a COMMIT queues its
   delta, a thread pushes the queue in one round trip;
+- ``batched``: ``tally`` with ``COUNTERS_WRITE_BATCH`` = 16: outside a request, a
+  writer's pushes are written to Redis 16 at a time (or within 50 ms), which a
+  process killed before the write loses until the audit repairs them;
 - ``waited``: ``tally`` with ``COUNTERS_DEFER_ACKS`` off, the write path before
   deferred acknowledgements: the committing thread reads each push's reply;
 - ``floor``: the least a buffered counter with Tally's guarantees can do: the
@@ -50,7 +53,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .child import ChildContext
-from .config import SENDER_DELAY_MS
+from .config import BATCHED_WRITE, SENDER_DELAY_MS
 from .errors import BenchError
 
 MODES = (
@@ -60,6 +63,7 @@ MODES = (
     "tally",
     "durable",
     "sender",
+    "batched",
     "waited",
     "floor",
     "floor_durable",
@@ -69,6 +73,7 @@ DURABLE = {"tally": False, "durable": True}
 #: Modes that wait for each push's reply after the COMMIT (``COUNTERS_DEFER_ACKS`` off).
 WAITED = {"waited"}
 _defer_acks: bool | None = None
+_write_batch: int | None = None
 
 
 def set_mode(mode: str, send_delay_ms: float) -> None:
@@ -77,20 +82,24 @@ def set_mode(mode: str, send_delay_ms: float) -> None:
     The write path reads its switches once and keeps them until ``setting_changed``,
     so assigning to ``settings`` alone would not reach it. ``COUNTERS_DEFER_ACKS``
     keeps the value the process started with (its setting or environment), except
-    in the modes of :data:`WAITED`.
+    in the modes of :data:`WAITED`, and ``COUNTERS_WRITE_BATCH`` its own, except in
+    ``batched`` (:data:`~benchmarks.config.BATCHED_WRITE`).
     """
     from django.conf import settings
     from django.test.signals import setting_changed
 
     from .internals import conf
 
-    global _defer_acks
+    global _defer_acks, _write_batch
     if _defer_acks is None:
         _defer_acks = conf.defer_acks()
+    if _write_batch is None:
+        _write_batch = conf.write_batch()
     values = {
         "COUNTERS_DURABLE": DURABLE.get(mode, False),
         "COUNTERS_SEND_DELAY_MS": send_delay_ms if mode == "sender" else 0,
-        "COUNTERS_DEFER_ACKS": _defer_acks and mode not in WAITED,
+        "COUNTERS_DEFER_ACKS": (_defer_acks and mode not in WAITED) or mode == "batched",
+        "COUNTERS_WRITE_BATCH": BATCHED_WRITE if mode == "batched" else _write_batch,
     }
     for name, value in values.items():
         setattr(settings, name, value)
@@ -280,6 +289,7 @@ def operations() -> dict[str, Callable[[int], None]]:
         "tally": tally,
         "durable": tally,
         "sender": tally,
+        "batched": tally,
         "waited": tally,
     }
 

@@ -6,7 +6,7 @@ from .writers import MODES
 
 WORKLOADS = ("spread", "hot")
 #: Write modes beside off / naive / trigger / tally, each shown as its ratio to off and to tally.
-EXTRA_MODES = ("durable", "sender", "waited", "floor")
+EXTRA_MODES = ("durable", "sender", "batched", "waited", "floor")
 #: Columns of the cost table: every mode of the writers.
 COST_MODES = MODES
 COSTS = (
@@ -127,7 +127,8 @@ def _floor(by_count: dict) -> list[str]:
         "floor: the insert and one command sent to Redis after the COMMIT, nothing else:",
         "floor_durable: the same with one outbox row INSERTed between them (durable mode's):",
         f"{'procs':<6}{'workload':<9}{'floor/off':>10}{'floor/trigger':>14}{'tally/floor':>12}"
-        f"{'floor_durable/off':>18}{'durable/floor_durable':>22}",
+        f"{'floor_durable/off':>18}{'durable/floor_durable':>22}"
+        f"{'batched/trigger':>16}{'batched/floor':>14}",
     ]
     for count, result in by_count.items():
         for name in WORKLOADS:
@@ -139,6 +140,8 @@ def _floor(by_count: dict) -> list[str]:
                 + _get(r, "tally_floor", 12, 2)
                 + _get(r, "floor_durable_off", 18, 2)
                 + _get(r, "durable_floor_durable", 22, 2)
+                + _get(r, "batched_trigger", 16, 2)
+                + _get(r, "batched_floor", 14, 2)
             )
     return lines
 

@@ -4,8 +4,12 @@ With ``COUNTERS_DEFER_ACKS`` on (the default) a committed push is written to
 Redis and its reply read later (:mod:`counters.write.acks`). This middleware
 reads the replies still waiting before the response is returned, so other
 processes read the request's changes by the time its client has the
-response. Put it first in ``MIDDLEWARE``, so that it runs after every other
-middleware (and ``ATOMIC_REQUESTS``) has committed::
+response. While a sync request is served, its thread writes each push as its
+COMMIT ends, so that its reply has arrived by then, even where
+``COUNTERS_WRITE_BATCH`` has the pushes of other code written in batches;
+the read before an async response writes what its request left. Put it
+first in ``MIDDLEWARE``, so that it runs after every other middleware (and
+``ATOMIC_REQUESTS``) has committed::
 
     MIDDLEWARE = ["counters.middleware.AcknowledgeMiddleware", ...]
 
@@ -39,7 +43,11 @@ class AcknowledgeMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponseBase | Awaitable[HttpResponseBase]:
         if self.is_async:
             return self.__acall__(request)
-        response = self.get_response(request)
+        acks.serving(True)
+        try:
+            response = self.get_response(request)
+        finally:
+            acks.serving(False)
         acks.acknowledge()
         return response
 

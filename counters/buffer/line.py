@@ -1,10 +1,13 @@
-"""A line to one Redis: pushes written now, their replies read later, in order.
+"""A line to one Redis: pushes written in batches, their replies read later, in order.
 
 A push waited on costs the writer a round trip: its thread sleeps until
 Redis answers and is woken again, some 60 to 130 µs of CPU. A :class:`Line`
-writes the push's scripts to a connection of its own and returns; the
-replies are read later (:meth:`Line.receive`), oldest first, by which time
-they have usually arrived, so reading them does not sleep.
+takes the push's scripts (:meth:`Line.send`) and writes them to a connection
+of its own with the pushes handed to it before, in one system call
+(:meth:`Line.write`); the replies are read later (:meth:`Line.receive`),
+oldest first, by which time they have usually arrived, so reading them does
+not sleep. One write of many pushes also costs Redis one read of its socket
+for all of them, where a write per push costs it one each.
 
 Redis runs the commands of one connection in the order they were written,
 so pushes on a line apply in order, each under its own push id
@@ -13,10 +16,10 @@ the push did. What a failure means is unchanged:
 
 - :class:`~counters.base.exceptions.NotConnected` from :meth:`Line.send`:
   nothing of that push left;
-- any other error from :meth:`Line.send` or :meth:`Line.receive`: the
-  connection is closed, and every push written and not yet answered may
-  have run. :meth:`Line.receive` raises it for the oldest one; the caller
-  takes the others back with :meth:`Line.abandon`.
+- any other error from :meth:`Line.write` or :meth:`Line.receive`: the
+  connection is closed, and every push handed to the line and not yet
+  answered may have run. The call raises it; the caller takes the pushes
+  back with :meth:`Line.abandon`.
 
 A plain Redis only: a Redis Cluster routes each shard to its own master
 (the write path waits on those pushes).
@@ -64,21 +67,28 @@ class Line:
         # it, so no health-check PING's reply can come in place of a push's.
         self.connection: Any = client.connection_pool.make_connection()
         self.sha: str = buffer._push.sha
-        #: Pushes written whose replies are not read yet, oldest first.
+        #: Pushes handed to the line whose replies are not read yet, oldest first.
         self.unread: deque[PushPlan] = deque()
+        #: How many of them, the newest, are not written yet (:meth:`write`).
+        self.queued = 0
         #: The connection failed with pushes unread: :meth:`abandon` them.
         self.broken = False
         self._sock: socket.socket | None = None
         self._reader = Reader(replyError=ResponseError)
         #: Keys of a push -> the encoded head of its command (:meth:`_packed`).
         self._heads: dict[tuple[str, ...], str] = {}
+        #: The encoded commands of the pushes not written yet.
+        self._out: list[bytes] = []
 
-    def send(self, plan: PushPlan) -> None:
-        """Write ``plan``'s scripts to the connection, without reading their replies.
+    def send(self, plan: PushPlan, now: bool = True) -> None:
+        """Write ``plan``'s scripts to the connection, after the pushes taken before, without
+        reading their replies; ``now`` False: only take them, to be written with the next
+        :meth:`write` (or the read of their reply).
 
         Raises :class:`~counters.base.exceptions.NotConnected` if the
-        connection could not be opened (nothing left), else a Redis
-        ``ConnectionError`` or ``TimeoutError`` (the line is broken).
+        connection could not be opened (nothing of it left), else a Redis
+        ``ConnectionError`` or ``TimeoutError`` (the line is broken; ``plan``
+        is not among the pushes to :meth:`abandon`).
         """
         calls = plan.calls
         if len(calls) == 1:
@@ -88,12 +98,41 @@ class Line:
         sock = self._sock
         if sock is None:
             sock = self._open()  # NotConnected: nothing of it left, no push is unread
+        if not now:
+            self._out.append(packed)
+            self.unread.append(plan)
+            self.queued += 1
+            return
+        if self.queued:
+            self.write()
         try:
             sock.sendall(packed)
         except BaseException as exc:
             self._break()
             raise _redis_error(exc, "writing to") from exc
         self.unread.append(plan)
+
+    def write(self) -> None:
+        """Write the pushes taken and not written yet, in one system call.
+
+        Raises a Redis ``ConnectionError`` or ``TimeoutError`` if the
+        connection failed: the line is broken, and every unanswered push may
+        have run (:meth:`abandon` them).
+        """
+        if not self.queued:
+            return
+        out = self._out
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        self.queued = 0
+        sock = self._sock
+        try:
+            if sock is None:  # pragma: no cover - a line with pushes queued is open
+                raise RedisConnectionError("the line is closed")
+            sock.sendall(data)
+        except BaseException as exc:
+            self._break()
+            raise _redis_error(exc, "writing to") from exc
 
     def _packed(self, keys: Sequence[str], args: list) -> bytes:
         """``EVALSHA <sha> <len(keys)> *keys *args``, encoded for Redis (RESP).
@@ -143,8 +182,11 @@ class Line:
         Raises :class:`NoScriptError` if a shard did not know the script (that
         shard did nothing; repeat the push once the script is loaded), the
         first other error reply of the push, or the error that broke the
-        connection (then :meth:`abandon` the pushes still unread).
+        connection (then :meth:`abandon` the pushes still unread). A push not
+        written yet is written first, with every push taken after it.
         """
+        if len(self.unread) <= self.queued:
+            self.write()
         plan = self.unread.popleft()
         calls = plan.calls
         try:
@@ -190,6 +232,8 @@ class Line:
         """The pushes written and never answered, taken off the line (it was closed)."""
         plans = list(self.unread)
         self.unread.clear()
+        self._out.clear()
+        self.queued = 0
         self.broken = False
         return plans
 
@@ -198,7 +242,10 @@ class Line:
         self.broken = True
 
     def close(self) -> None:
+        """Close the connection; pushes not written yet are never written."""
         self._sock = None
+        self._out.clear()
+        self.queued = 0
         self.connection.disconnect()
 
 

@@ -26,6 +26,7 @@ POSITIVE = {
     "COUNTERS_AUDIT_RETENTION": "counters.E021",
     "COUNTERS_SEND_BATCH": "counters.E030",
     "COUNTERS_FLUSH_LANES": "counters.E031",
+    "COUNTERS_WRITE_BATCH": "counters.E093",
 }
 
 

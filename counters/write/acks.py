@@ -1,11 +1,22 @@
-"""Pushes acknowledged later: the committing thread writes its push and does not wait.
+"""Pushes acknowledged later: the committing thread hands its push on and does not wait.
 
-With ``COUNTERS_DEFER_ACKS`` on (the default), :func:`send` writes a
+With ``COUNTERS_DEFER_ACKS`` on (the default), :func:`send` hands a
 committed push to a line of the thread's own (:class:`~counters.buffer.line.Line`)
-and returns. Its reply is read later, when it has usually arrived already:
+and returns. The line writes it to Redis:
 
-- by the thread's next push, after writing that one, once ``MAX_WAITING``
-  replies wait or the oldest is ``ACK_AFTER`` old (one read takes them all);
+- at once while the thread serves a request
+  (:class:`counters.middleware.AcknowledgeMiddleware`), as each COMMIT ends;
+- otherwise (a command, a Celery task, a script) as its COMMIT ends too, or,
+  with ``COUNTERS_WRITE_BATCH`` above 1, with the pushes after it in one
+  system call, once that many are handed on or the oldest is ``ACK_AFTER``
+  old; by the acknowledging thread within ``ACK_AFTER``; and whenever a reply
+  is read (below).
+
+Its reply is read later, when it has usually arrived already:
+
+- by the thread's next write, once ``MAX_WAITING`` pushes wait or the
+  oldest is ``ACK_AFTER`` old (one read takes them all; in batches, before
+  it writes the next batch);
 - before any read of a counter in this process (:func:`acknowledge`), so
   this process reads its own writes;
 - before a request's response is returned
@@ -50,9 +61,10 @@ from counters.write import exits
 
 logger = logging.getLogger(__name__)
 
-#: Seconds after which the acknowledging thread reads a reply nobody else has read.
+#: Seconds after which the acknowledging thread reads a reply nobody else has read, and
+#: within which it writes a push no commit wrote.
 ACK_AFTER = 0.05
-#: Pushes a line holds unanswered before its next push reads their replies (in one read).
+#: Pushes a line holds unanswered before its next write reads their replies (in one read).
 MAX_WAITING = 16
 #: Seconds a read waits for the acknowledging thread to complete failed pushes.
 COMPLETE_TIMEOUT = 30.0
@@ -113,7 +125,9 @@ class Acks:
         #: The line's writers with no push in flight.
         self.writers: list[Writer] = []
 
-    def push(self, deltas: Mapping[str, int], complete: Complete) -> list[Failed] | None:
+    def push(
+        self, deltas: Mapping[str, int], complete: Complete, batch: int = 1
+    ) -> list[Failed] | None:
         """Write the push of ``deltas`` under the next push id of a writer of the line, as
         :meth:`send`; None if it must be waited on instead (nothing to push, or a member
         too large for a score: :meth:`~counters.buffer.store.Buffer.plan_push`)."""
@@ -129,35 +143,74 @@ class Acks:
             if not plan.calls or plan.refused:
                 writers.append(writer)
                 return None
-            return self._write(Waiting(plan, push_id, deltas, self.using, complete, writer))
+            return self._write(Waiting(plan, push_id, deltas, self.using, complete, writer), batch)
 
-    def send(self, push: Waiting) -> list[Failed]:
-        """Write ``push``; the failed pushes (of the replies it read, if it read any).
+    def send(self, push: Waiting, batch: int = 1) -> list[Failed]:
+        """Hand ``push`` to the line; the failed pushes (of the replies read, if any were).
 
-        The replies of the pushes before it are read once ``MAX_WAITING`` are
-        waiting or the oldest is ``ACK_AFTER`` old.
+        The line writes it at once while the thread serves a request or
+        ``batch`` is 1, else once ``batch`` pushes wait to be written or the
+        oldest of them is ``ACK_AFTER`` old. Before it writes, the replies of
+        the pushes written before are read, once ``MAX_WAITING`` are waiting
+        or the oldest is ``ACK_AFTER`` old.
 
-        ``push`` is among them if it could not be written (with
+        ``push`` is among the failed ones if it could not be handed on (with
         :class:`~counters.base.exceptions.NotConnected` if it never left).
         """
         with self.lock:
-            return self._write(push)
+            return self._write(push, batch)
 
-    def _write(self, push: Waiting) -> list[Failed]:
+    def _write(self, push: Waiting, batch: int) -> list[Failed]:
+        line, waiting = self.line, self.waiting
+        if batch > 1 and not getattr(_state.local, "serving", False):
+            return self._take(push, batch)
         try:
-            self.line.send(push.plan)
+            line.send(push.plan)
         except Exception as exc:
             return [*self._broken(exc), (push, exc)]
-        waiting = self.waiting
         waiting.append(push)
         if len(waiting) < MAX_WAITING and waiting[0].sent_at > push.sent_at - ACK_AFTER:
             return []
         return self._settle(keep=1)  # the replies before it, arrived by now: one read
 
+    def _take(self, push: Waiting, batch: int) -> list[Failed]:
+        """:meth:`_write` of a thread that batches its writes (``batch`` above 1)."""
+        line, waiting = self.line, self.waiting
+        try:
+            line.send(push.plan, now=False)
+        except Exception as exc:
+            return [*self._broken(exc), (push, exc)]
+        waiting.append(push)
+        queued = line.queued
+        too_old = push.sent_at - ACK_AFTER
+        if queued < batch and waiting[-queued].sent_at > too_old:
+            return []
+        failed: list[Failed] = []
+        written = len(waiting) - queued
+        if written >= MAX_WAITING or (written and waiting[0].sent_at <= too_old):
+            failed = self._settle(keep=queued)  # written before: arrived by now, one read
+        try:
+            line.write()
+        except Exception as exc:
+            failed.extend(self._broken(exc))
+        return failed
+
     def settle(self, older_than: float | None = None) -> list[Failed]:
-        """Read the replies of the pushes waiting (those sent before ``older_than``)."""
+        """Read the replies of the pushes waiting, writing those not written yet first.
+
+        ``older_than``: read only those written and handed on before it, then
+        write the rest (the acknowledging thread's round: their replies wait
+        for its next one).
+        """
         with self.lock:
-            return self._settle(keep=0, older_than=older_than)
+            if older_than is None:
+                return self._settle(keep=0)
+            failed = self._settle(keep=self.line.queued, older_than=older_than)
+            try:
+                self.line.write()
+            except Exception as exc:
+                failed.extend(self._broken(exc))
+            return failed
 
     def _settle(self, keep: int, older_than: float | None = None) -> list[Failed]:
         failed: list[Failed] = []
@@ -235,6 +288,12 @@ def request_started(**kwargs: object) -> None:
         acknowledge()
 
 
+def serving(on: bool) -> None:
+    """Whether this thread serves a request now: its pushes are written as it commits
+    (:class:`~counters.middleware.AcknowledgeMiddleware`)."""
+    _state.local.serving = on
+
+
 def task_ended(**kwargs: object) -> None:
     """Celery's ``task_postrun``: the task's pushes are acknowledged before its result."""
     acknowledge()
@@ -246,6 +305,7 @@ def send(
     buffer: Buffer,
     complete: Complete,
     push_id: PushId | None = None,
+    batch: int = 1,
 ) -> bool:
     """Write the push of committed ``deltas`` to ``buffer`` now and read its reply later.
 
@@ -255,12 +315,13 @@ def send(
     push id ends when the reply is read, or ``complete`` ends it (also when
     the push could not be written). ``push_id``: an id allocated by the
     caller (an outbox row's); by default the next of a writer of the
-    thread's line (:meth:`Acks.push`).
+    thread's line (:meth:`Acks.push`). ``batch``: ``COUNTERS_WRITE_BATCH``
+    (:meth:`Acks.send`).
     """
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
     if push_id is None:
-        failed = _acks_of_thread(using, buffer).push(deltas, complete)
+        failed = _acks_of_thread(using, buffer).push(deltas, complete, batch)
         if failed is None:
             return False  # never sent: the caller waits on its push
     else:
@@ -268,7 +329,7 @@ def send(
         if not plan.calls or plan.refused:
             return False
         failed = _acks_of_thread(using, buffer).send(
-            Waiting(plan, push_id, deltas, using, complete)
+            Waiting(plan, push_id, deltas, using, complete), batch
         )
     if failed:
         _finish(failed)

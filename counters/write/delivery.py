@@ -75,11 +75,15 @@ def send(
     if push_id is None and not outbox:
         if switches.send_delay > 0 and sender.enqueue(deltas, using, push_now):
             return
-        if switches.defer_acks and acks.send(deltas, using, buffer, complete):
+        if switches.defer_acks and acks.send(
+            deltas, using, buffer, complete, batch=switches.write_batch
+        ):
             return  # its reply is read later; ``complete`` finishes it if it failed
     elif outbox and push_id is not None and switches.defer_acks:
         held = PushId.of(push_id)
-        if acks.send(deltas, using, buffer, complete_held, push_id=held):
+        if acks.send(
+            deltas, using, buffer, complete_held, push_id=held, batch=switches.write_batch
+        ):
             return  # as above; the flush deletes the row once the push applied
     push_now(deltas, using, push_id=push_id, outbox=outbox)
 

@@ -157,10 +157,24 @@ def enabled() -> bool:
 def describe_mode() -> dict[str, object]:
     """The write path's mode, for ``counters_status``: what it trades, if anything."""
     if not enabled():
+        batch = conf.write_batch() if conf.defer_acks() else 1
+        if batch > 1:
+            return {
+                "mode": "batched",
+                "send_delay_ms": 0,
+                "send_batch": None,
+                "write_batch": batch,
+                "trades": (
+                    "outside a request, other processes see a commit up to 50 ms later; a "
+                    f"process killed with SIGKILL loses up to {batch - 1} of its commits not "
+                    "yet written until the audit repairs them"
+                ),
+            }
         return {
             "mode": "per-commit",
             "send_delay_ms": 0,
             "send_batch": None,
+            "write_batch": 1,
             "trades": None,
         }
     delay_ms = conf.get("COUNTERS_SEND_DELAY_MS")
@@ -168,6 +182,7 @@ def describe_mode() -> dict[str, object]:
         "mode": "sender",
         "send_delay_ms": delay_ms,
         "send_batch": conf.send_batch(),
+        "write_batch": None,
         "trades": (
             f"other processes see a commit up to {delay_ms:g} ms later; a process killed "
             f"with SIGKILL loses up to {delay_ms:g} ms of its commits until the audit "

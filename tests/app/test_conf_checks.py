@@ -49,6 +49,7 @@ DEFAULTS = {
     "COUNTERS_SEND_DELAY_MS": 0.0,
     "COUNTERS_SEND_BATCH": 500,
     "COUNTERS_DEFER_ACKS": True,
+    "COUNTERS_WRITE_BATCH": 1,
 }
 
 
@@ -226,6 +227,7 @@ def test_every_positive_check_has_its_own_id():
         "counters.E021",
         "counters.E030",
         "counters.E031",
+        "counters.E093",
     ]
     assert set(POSITIVE) == set(conf.SETTINGS) - {
         "COUNTERS_REDIS_URL",

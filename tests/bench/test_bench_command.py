@@ -28,14 +28,15 @@ POSTGRES = connection.vendor == "postgresql"
 #: The write modes of a run on this database (the trigger needs PostgreSQL).
 MODES = (
     *("off", "naive", *(("trigger",) if POSTGRES else ())),
-    *("tally", "durable", "sender", "waited", "floor", "floor_durable"),
+    *("tally", "durable", "sender", "batched", "waited", "floor", "floor_durable"),
 )
 #: Ratios of a run: those of the trigger on PostgreSQL only.
 RATIOS = (
     *("tally_off", "tally_naive", "durable_off", "durable_tally", "sender_off", "sender_tally"),
     *("waited_off", "waited_tally", "tally_waited", "floor_off", "floor_tally", "tally_floor"),
-    *("floor_durable_off", "durable_floor_durable"),
-    *(("trigger_off", "tally_trigger", "floor_trigger") if POSTGRES else ()),
+    *("floor_durable_off", "durable_floor_durable", "batched_off", "batched_tally"),
+    "batched_floor",
+    *(("trigger_off", "tally_trigger", "floor_trigger", "batched_trigger") if POSTGRES else ()),
 )
 #: Per-insert costs measured only on PostgreSQL (backend CPU: when the server is local).
 SERVER_COSTS = ("backend_cpu_us", "wal_bytes")
@@ -51,7 +52,7 @@ FIGURES = [
         ("writes", w, f)
         for w in WORKLOADS
         for base in ("redis_cpu_us_per_push", "evalsha_per_commit", "evalsha_usec_per_call")
-        for f in (base, f"sender_{base}")
+        for f in (base, f"sender_{base}", f"batched_{base}")
     ],
     ("writes", "send_delay_ms"),
     ("flush", "flush_keys_per_s"),

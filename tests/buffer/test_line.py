@@ -76,3 +76,28 @@ def test_heads_are_kept_per_keys_and_bounded(line):
         assert line._packed(keys, args) == expected(line, keys, args)  # from the kept head
         assert line._packed(list(keys), args) == expected(line, keys, args)  # by hiredis
     assert 0 < len(line._heads) <= HEADS_KEPT
+
+
+def test_pushes_taken_are_written_together_and_a_read_writes_what_it_needs(
+    redis_client, counters_prefix
+):
+    buffer = Buffer(redis_client, counters_prefix, shards=4)
+    line = Line(buffer)
+    plans = [buffer.plan_push({f"m:{i}": 1}, PushId("w-" + "b" * 16, i + 1)) for i in range(3)]
+    try:
+        for plan in plans:
+            line.send(plan, now=False)
+        assert (line.queued, len(line.unread)) == (3, 3)
+        assert buffer.snapshot(["m:0"]).pending["m:0"] == 0  # nothing written yet
+        line.write()
+        assert line.queued == 0
+        line.send(buffer.plan_push({"m:0": 2}, PushId("w-" + "b" * 16, 4)), now=False)
+        replies = [line.receive()[1] for _ in range(4)]  # the last one written by its read
+        assert replies == [[1]] * 4 and line.queued == 0 and not line.unread
+        assert buffer.snapshot(["m:0", "m:1", "m:2"]).pending == {"m:0": 3, "m:1": 1, "m:2": 1}
+        line.send(buffer.plan_push({"m:1": 1}, PushId("w-" + "b" * 16, 5)), now=False)
+        line.close()  # a push taken and not written never leaves
+        assert line.abandon() and line.queued == 0
+        assert buffer.snapshot(["m:1"]).pending["m:1"] == 1
+    finally:
+        line.close()

@@ -1,5 +1,6 @@
-"""Deferred acknowledgements (COUNTERS_DEFER_ACKS, the default): pushes written at COMMIT,
-their replies read later; every failure completed as a push waited on would be.
+"""Deferred acknowledgements (COUNTERS_DEFER_ACKS, the default): pushes written at COMMIT in a
+request and in batches elsewhere, their replies read later; every failure completed as a push
+waited on would be.
 
 The rest of the suite runs with the setting off (tests/settings.py), because its fault
 injections patch the push a COMMIT waits on. Here the faults are real: a redis-server of
@@ -84,16 +85,103 @@ def test_a_commit_writes_its_push_and_the_reply_is_read_later(make_user):
     assert_exact(alice)
 
 
+def seen_by_others(user) -> int:
+    """The user's pending delta as another process reads it: a plain client, no acknowledging."""
+    member = f"unread:{user.pk}"
+    buffer = get_buffer()
+    raw = buffer.client.zscore(buffer.key(buffer.shard_of(member), "pending"), member)
+    return int(raw or 0)
+
+
+def eventually_seen(user, count: int, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while seen_by_others(user) != count:
+        assert time.monotonic() < deadline, f"{seen_by_others(user)} seen, not {count}"
+        time.sleep(0.005)
+
+
+#: ``COUNTERS_WRITE_BATCH`` of the tests of batched writes.
+BATCH = 16
+
+
+@pytest.fixture
+def batched(settings) -> int:
+    settings.COUNTERS_WRITE_BATCH = BATCH
+    return BATCH
+
+
 @pytest.mark.usefixtures("unread_until_asked")
-def test_the_push_that_fills_the_line_reads_the_replies_before_it(make_user):
+def test_each_push_is_written_at_commit_and_the_push_that_fills_the_line_reads_before_it(
+    make_user,
+):
     alice = make_user()
     for i in range(acks.MAX_WAITING - 1):
         Notification.objects.create(recipient=alice, verb=str(i))
+        assert line_of_thread().line.queued == 0  # written as its COMMIT ended
     assert waiting() == acks.MAX_WAITING - 1
+    eventually_seen(alice, acks.MAX_WAITING - 1)
     Notification.objects.create(recipient=alice, verb="full")
     assert waiting() == 1
     acks.acknowledge()
     assert in_redis(alice) == truth(alice) == acks.MAX_WAITING
+
+
+@pytest.mark.usefixtures("unread_until_asked", "batched")
+def test_outside_a_request_pushes_are_written_in_batches_and_read_a_batch_later(make_user):
+    alice = make_user()
+    for i in range(BATCH - 1):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    line = line_of_thread()
+    assert (waiting(), line.line.queued) == (BATCH - 1, BATCH - 1)
+    time.sleep(0.05)
+    assert seen_by_others(alice) == 0  # none written yet
+    Notification.objects.create(recipient=alice, verb="fills the batch")
+    assert (waiting(), line.line.queued) == (BATCH, 0)  # written, unanswered
+    eventually_seen(alice, BATCH)
+    for i in range(BATCH):
+        Notification.objects.create(recipient=alice, verb=f"second {i}")
+    # the second batch's write read the first batch's replies first
+    assert (waiting(), line.line.queued) == (BATCH, 0)
+    eventually_seen(alice, 2 * BATCH)
+    acks.acknowledge()
+    assert waiting() == 0
+    assert in_redis(alice) == truth(alice) == 2 * BATCH
+    assert fallbacks() == 0
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("batched")
+def test_the_acknowledging_thread_writes_a_push_no_commit_wrote(make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="alone")
+    assert line_of_thread().line.queued == 1
+    eventually_seen(alice, 1, within=5.0)  # written by the thread within ACK_AFTER
+    deadline = time.monotonic() + 5
+    while waiting():  # and its reply read on a later round
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert (in_redis(alice), truth(alice), fallbacks()) == (1, 1, 0)
+
+
+@pytest.mark.usefixtures("unread_until_asked", "batched")
+def test_a_request_writes_each_push_as_it_commits(make_user):
+    alice = make_user()
+    seen: list[tuple[int, int]] = []
+
+    def view(request):
+        for i in range(3):
+            Notification.objects.create(recipient=alice, verb=str(i))
+            eventually_seen(alice, i + 1)  # no later commit was needed to write it
+            seen.append((waiting(), line_of_thread().line.queued))
+        return HttpResponse("ok")
+
+    AcknowledgeMiddleware(view)(RequestFactory().get("/"))
+    assert seen == [(1, 0), (2, 0), (3, 0)]
+    assert waiting() == 0
+    Notification.objects.create(recipient=alice, verb="after the request")
+    assert line_of_thread().line.queued == 1  # batched again
+    acks.acknowledge()
+    assert in_redis(alice) == truth(alice) == 4
 
 
 def line_of_thread() -> acks.Acks:

@@ -235,8 +235,16 @@ def test_counters_status_says_what_the_write_path_trades(settings):
         "mode": "per-commit",
         "send_delay_ms": 0,
         "send_batch": None,
+        "write_batch": 1,
         "trades": None,
     }
+    settings.COUNTERS_DEFER_ACKS = True
+    settings.COUNTERS_WRITE_BATCH = 16
+    text, write_path = status()
+    assert write_path["mode"] == "batched" and write_path["write_batch"] == 16
+    assert "write path: pushes written 16 at a time outside a request; trades: " in text
+    assert "a process killed with SIGKILL loses up to 15 of its commits not yet written" in text
+    settings.COUNTERS_WRITE_BATCH = 1
     settings.COUNTERS_SEND_DELAY_MS = 5
     text, write_path = status()
     assert write_path["mode"] == "sender"

@@ -153,6 +153,11 @@ class Command(OneLineFailures):
     @staticmethod
     def write_path_line(write_path: dict) -> str:
         """How committed deltas reach Redis, and what that mode trades."""
+        if write_path["mode"] == "batched":
+            return (
+                f"write path: pushes written {write_path['write_batch']} at a time outside a "
+                f"request; trades: {write_path['trades']}"
+            )
         if write_path["mode"] != "sender":
             return "write path: each COMMIT pushes its deltas before returning"
         return (
