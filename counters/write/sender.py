@@ -164,10 +164,12 @@ def describe_mode() -> dict[str, object]:
                 "send_delay_ms": 0,
                 "send_batch": None,
                 "write_batch": batch,
-                "trades": (
-                    "outside a request, other processes see a commit up to 50 ms later; a "
-                    f"process killed with SIGKILL loses up to {batch - 1} of its commits not "
-                    "yet written until the audit repairs them"
+                "trades": "outside a request, other processes see a commit up to 50 ms later; "
+                + (
+                    "a process killed loses nothing (durable mode)"
+                    if conf.durable()
+                    else f"a process killed with SIGKILL loses up to {batch - 1} of its "
+                    "commits not yet written until the audit repairs them"
                 ),
             }
         return {

@@ -244,6 +244,10 @@ def test_counters_status_says_what_the_write_path_trades(settings):
     assert write_path["mode"] == "batched" and write_path["write_batch"] == 16
     assert "write path: pushes written 16 at a time outside a request; trades: " in text
     assert "a process killed with SIGKILL loses up to 15 of its commits not yet written" in text
+    settings.COUNTERS_DURABLE = True
+    text, write_path = status()
+    assert write_path["trades"].endswith("a process killed loses nothing (durable mode)")
+    settings.COUNTERS_DURABLE = False
     settings.COUNTERS_WRITE_BATCH = 1
     settings.COUNTERS_SEND_DELAY_MS = 5
     text, write_path = status()
