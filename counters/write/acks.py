@@ -189,8 +189,13 @@ class Acks:
         written = len(waiting) - queued
         if written >= MAX_WAITING or (written and waiting[0].sent_at <= too_old):
             failed = self._settle(keep=queued)  # written before: arrived by now, one read
+        return self._write_queued(failed)
+
+    def _write_queued(self, failed: list[Failed]) -> list[Failed]:
+        """Write the pushes the line holds unwritten; ``failed`` and, if the line broke, all
+        the pushes waiting."""
         try:
-            line.write()
+            self.line.write()
         except Exception as exc:
             failed.extend(self._broken(exc))
         return failed
@@ -205,12 +210,7 @@ class Acks:
         with self.lock:
             if older_than is None:
                 return self._settle(keep=0)
-            failed = self._settle(keep=self.line.queued, older_than=older_than)
-            try:
-                self.line.write()
-            except Exception as exc:
-                failed.extend(self._broken(exc))
-            return failed
+            return self._write_queued(self._settle(keep=self.line.queued, older_than=older_than))
 
     def _settle(self, keep: int, older_than: float | None = None) -> list[Failed]:
         failed: list[Failed] = []

@@ -16,20 +16,25 @@ from tests.procs import ROOT, project_env
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.serial]
 
 
-@pytest.mark.parametrize("end", ["exit", "os-exit", "sigkill"])
-def test_a_writer_that_ends_with_replies_unread_counts_each_change_once(end, make_user):
-    alice = make_user()
-    proc = subprocess.run(
+def run_writer(user, end: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``tests.acks_writer`` committing 5 notifications for ``user``, then ending by ``end``."""
+    return subprocess.run(
         [
-            *(sys.executable, "-m", "tests.acks_writer", "--user", str(alice.pk)),
+            *(sys.executable, "-m", "tests.acks_writer", "--user", str(user.pk)),
             *("--notifications", "5", "--end", end),
         ],
         cwd=ROOT,
-        env=project_env(COUNTERS_DEFER_ACKS="1"),
+        env=project_env(COUNTERS_DEFER_ACKS="1", **env),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.parametrize("end", ["exit", "os-exit", "sigkill"])
+def test_a_writer_that_ends_with_replies_unread_counts_each_change_once(end, make_user):
+    alice = make_user()
+    proc = run_writer(alice, end)
     assert proc.returncode == (-9 if end == "sigkill" else 0), proc.stderr
     assert proc.stdout.splitlines()[0] == "unread 5"  # every reply unread when it ended
     assert in_redis(alice) == truth(alice) == 5
@@ -47,17 +52,7 @@ def test_a_batched_writer_killed_before_its_write_loses_those_commits_until_the_
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="before")
     counters.flush()
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "tests.acks_writer", "--user", str(alice.pk)),
-            *("--notifications", "5", "--end", end),
-        ],
-        cwd=ROOT,
-        env=project_env(COUNTERS_DEFER_ACKS="1", COUNTERS_WRITE_BATCH="16"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_writer(alice, end, COUNTERS_WRITE_BATCH="16")
     assert proc.returncode == (-9 if end == "sigkill" else 0), proc.stderr
     assert proc.stdout.splitlines()[0] == "unread 5"
     assert in_redis(alice) == 0  # taken by the line, never written
