@@ -39,12 +39,22 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from counters.buffer.intake import Intake, PushPlan
+from counters.buffer.intake import PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS, Intake, PushPlan
 
 #: Bytes one ``recv`` asks for: the replies of many pushes.
 READ_SIZE = 65536
 #: Heads of the push scripts' commands kept per line (``EVALSHA``, the sha, the keys).
 HEADS_KEPT = 256
+
+
+def _bulk(value: int) -> str:
+    text = str(value)
+    return f"${len(text)}\r\n{text}\r\n"
+
+
+#: The push script's first and third arguments, the same in every push, encoded once.
+_TTL, _TTL_TEXT = PUSH_MARKER_TTL_MS, _bulk(PUSH_MARKER_TTL_MS)
+_AGE, _AGE_TEXT = PUSH_MAX_AGE_MS, _bulk(PUSH_MAX_AGE_MS)
 
 
 class Line:
@@ -74,6 +84,10 @@ class Line:
         #: The connection failed with pushes unread: :meth:`abandon` them.
         self.broken = False
         self._sock: socket.socket | None = None
+        #: The client's socket timeout (None: none), for the calls that must wait.
+        self._timeout: float | None = None
+        #: ``sendall`` for the socket: :meth:`_sendall` once it is non-blocking.
+        self._write_all = _blocking_sendall
         self._reader = Reader(replyError=ResponseError)
         #: Keys of a push -> the encoded head of its command (:meth:`_packed`).
         self._heads: dict[tuple[str, ...], str] = {}
@@ -106,7 +120,7 @@ class Line:
         if self.queued:
             self.write()
         try:
-            sock.sendall(packed)
+            self._write_all(sock, packed)
         except BaseException as exc:
             self._break()
             raise _redis_error(exc, "writing to") from exc
@@ -129,7 +143,7 @@ class Line:
         try:
             if sock is None:  # pragma: no cover - a line with pushes queued is open
                 raise RedisConnectionError("the line is closed")
-            sock.sendall(data)
+            self._write_all(sock, data)
         except BaseException as exc:
             self._break()
             raise _redis_error(exc, "writing to") from exc
@@ -146,33 +160,36 @@ class Line:
         if len(args) == 6 and type(keys) is tuple:
             ttl, now_ms, max_age, seq, member, delta = args
             if (
-                type(member) is str
-                and type(ttl) is type(now_ms) is type(max_age) is type(seq) is type(delta) is int
+                ttl is _TTL
+                and max_age is _AGE
+                and type(member) is str
+                and type(now_ms) is type(seq) is type(delta) is int
                 and member.isascii()
             ):
                 head = self._heads.get(keys)
                 if head is None:
                     head = self._head(keys)
                 if head:  # "": keys of other characters than ASCII
-                    a, b, c, d, f = str(ttl), str(now_ms), str(max_age), str(seq), str(delta)
+                    b, d, f = str(now_ms), str(seq), str(delta)
                     # fmt: off
                     return (
-                        f"{head}${len(a)}\r\n{a}\r\n${len(b)}\r\n{b}\r\n${len(c)}\r\n{c}\r\n"
-                        f"${len(d)}\r\n{d}\r\n${len(member)}\r\n{member}\r\n"
-                        f"${len(f)}\r\n{f}\r\n"
+                        f"{head}${len(b)}\r\n{b}\r\n{_AGE_TEXT}${len(d)}\r\n{d}\r\n"
+                        f"${len(member)}\r\n{member}\r\n${len(f)}\r\n{f}\r\n"
                     ).encode()
                     # fmt: on
         return pack(("EVALSHA", self.sha, len(keys), *keys, *args))
 
     def _head(self, keys: tuple[str, ...]) -> str:
-        """The start of a one-member push with ``keys`` as text, kept (a few per line);
-        "" if a key is not ASCII (hiredis encodes those pushes)."""
+        """The start of a one-member push with ``keys`` as text, through its first argument
+        (the same in every push), kept (a few per line); "" if a key is not ASCII (hiredis
+        encodes those pushes)."""
         if len(self._heads) >= HEADS_KEPT:
             self._heads.clear()
         parts = ["EVALSHA", self.sha, str(len(keys)), *keys]
         head = ""
         if all(part.isascii() for part in parts):
             head = f"*{len(parts) + 6}\r\n" + "".join(f"${len(p)}\r\n{p}\r\n" for p in parts)
+            head += _TTL_TEXT
         self._heads[keys] = head
         return head
 
@@ -185,19 +202,26 @@ class Line:
         connection (then :meth:`abandon` the pushes still unread). A push not
         written yet is written first, with every push taken after it.
         """
-        if len(self.unread) <= self.queued:
+        unread = self.unread
+        if len(unread) <= self.queued:
             self.write()
-        plan = self.unread.popleft()
+        plan = unread.popleft()
         calls = plan.calls
         try:
-            replies = [self._reply()] if len(calls) == 1 else [self._reply() for _ in calls]
+            if len(calls) == 1:
+                reply = self._reader.gets()  # usually read already, with the replies before
+                if reply is False:
+                    reply = self._reply()
+                if type(reply) is int:  # a one-shard push's code
+                    return plan, [reply]
+                replies = [reply]
+            else:
+                replies = [self._reply() for _ in calls]
         except BaseException as exc:
             self._break()
             if isinstance(exc, Exception):
                 raise _redis_error(exc, "reading from") from exc
             raise
-        if len(replies) == 1 and type(replies[0]) is int:  # a one-shard push's code
-            return plan, replies
         for reply in replies:
             if isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT"):
                 raise NoScriptError(str(reply))
@@ -212,20 +236,49 @@ class Line:
         while reply is False:
             if sock is None:
                 raise RedisConnectionError("the line is closed")
-            data = sock.recv(READ_SIZE)
+            try:
+                data = sock.recv(READ_SIZE)
+            except BlockingIOError:  # not arrived yet: wait for it, up to the timeout
+                data = self._waiting(sock).recv(READ_SIZE)
+                sock.settimeout(0.0)
             if not data:
                 raise RedisConnectionError("Connection closed by server.")
             reader.feed(data)
             reply = reader.gets()
         return reply
 
+    def _sendall(self, sock: socket.socket, data: bytes) -> None:
+        """``sock.sendall(data)``: one ``send`` while the socket's buffer has room."""
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):  # the buffer is full: wait for room, up to the timeout
+            self._waiting(sock).sendall(memoryview(data)[sent:])
+            sock.settimeout(0.0)
+
+    def _waiting(self, sock: socket.socket) -> socket.socket:
+        """``sock`` with the client's timeout again, for a call that must wait; the caller
+        makes it non-blocking again once the call succeeded (else the line breaks)."""
+        sock.settimeout(self._timeout)
+        return sock
+
     def _open(self) -> socket.socket:
         self.connection.connect()
         sock = self.connection._sock
         if sock is None:  # pragma: no cover - connect() raises instead
             raise RedisConnectionError("no socket after connect")
-        self._sock = sock
         self._reader = Reader(replyError=ResponseError)
+        if type(sock) is socket.socket:
+            # Non-blocking between writes: a socket with a timeout polls before each send
+            # and receive, a system call the line saves while the buffers have room or
+            # the replies have arrived (:meth:`_sendall`, :meth:`_reply`).
+            self._timeout = sock.gettimeout()
+            sock.settimeout(0.0)
+            self._write_all = self._sendall
+        else:  # TLS: as redis-py uses it
+            self._write_all = _blocking_sendall
+        self._sock = sock
         return sock
 
     def abandon(self) -> list[PushPlan]:
@@ -247,6 +300,10 @@ class Line:
         self._out.clear()
         self.queued = 0
         self.connection.disconnect()
+
+
+def _blocking_sendall(sock: socket.socket, data: bytes) -> None:
+    sock.sendall(data)
 
 
 def _redis_error(exc: BaseException, doing: str) -> BaseException:
