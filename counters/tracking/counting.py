@@ -167,14 +167,15 @@ def counted_write(
     transaction (one is opened if none is), so no racing writer can change it
     between the read and the write.
     """
-    if is_expression(obj.pk):
+    pk = obj.pk
+    if pk is not None and is_expression(pk):
         raise NotSupportedError(
             f"{model._meta.label}.save(): the primary key is an expression "
-            f"({obj.pk!r}); a counted row cannot be moved by a save: use "
+            f"({pk!r}); a counted row cannot be moved by a save: use "
             "QuerySet.update() with the new key, or a plain value"
         )
     before = obj.__dict__.pop(_BEFORE_PARENTS, None)
-    may_update = _may_update(obj, model, force_insert)
+    may_update = pk is not None and _may_update(obj, model, force_insert)
     if not may_update:
         plan = insert_plan(model)
         if plan is not None and not plan.has_expression(obj.__dict__):
@@ -207,11 +208,11 @@ def _insert_and_count(
     Its values are plain (no expression), and no tracker reads related rows.
     """
     updated = write()  # False: Django inserted the row
-    new = plan.row(obj.__dict__)
-    if new is None:  # a value to convert, or one the database decided
+    members = plan.members(obj.__dict__)
+    if members is None:  # a value to convert, or one the database decided
         count(model, [], [_new_row(obj, model, using, None, None)], using)
     else:
-        add_members(plan.members(new), using=using)
+        add_members(members, using=using)
     return updated
 
 

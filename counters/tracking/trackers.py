@@ -156,29 +156,25 @@ class InsertPlan:
                 return True
         return False
 
-    def row(self, values: dict[str, Any]) -> Row | None:
-        """The tracked values of ``values`` if each is of its field's own type (or None),
-        else None (convert them with :func:`~counters.tracking.rows.instance_row`)."""
-        row: dict[str, Any] = {}
+    def members(self, values: dict[str, Any]) -> dict[str, int] | None:
+        """``{member: delta}`` of a row inserted with ``values`` (an instance's ``__dict__``,
+        zeros may be left in); None if a tracked value is not of its field's own type (or
+        None): convert them with :func:`~counters.tracking.rows.instance_row` first.
+
+        What :meth:`Tracker.add_members` adds for a new row, each tracker's
+        steps read once here instead of per call, from ``values`` itself: its
+        tracked values are those of the row.
+        """
         for attname, native in self.native:
             value = values.get(attname, _ABSENT)
             if value is not None and type(value) is not native:
                 return None
-            row[attname] = value
-        return row
-
-    def members(self, row: Row) -> dict[str, int]:
-        """``{member: delta}`` of the inserted ``row`` (zeros may be left in).
-
-        What :meth:`Tracker.add_members` adds for a new row, each tracker's
-        steps read once here instead of per call.
-        """
         members: dict[str, int] = {}
         for key_name, condition, amount, name in self.steps:
-            key = row[key_name]
-            if key is None or not condition(row):
+            key = values[key_name]
+            if key is None or not condition(values):
                 continue
-            delta = 1 if amount is None else row[amount] or 0
+            delta = 1 if amount is None else values[amount] or 0
             if delta:
                 member = registry.get_spec(name).member(key)
                 members[member] = members.get(member, 0) + delta
