@@ -69,9 +69,23 @@ class Intake(Keyspace):
             if type(delta) is int and 0 < abs(delta) < SCORE_LIMIT:
                 shard = crc32(member.encode()) % self.shards
                 now_ms = int(time.time() * 1000)
-                call = [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, pid.seq, member, delta]
-                keys = self._push_keys(shard, pid.writer)
-                return PushPlan(push_id, deltas, {shard: [member, delta]}, {}, [(keys, call)])
+                writer, seq = pid.writer, pid.seq
+                entry = self._push_keys_cache.get((shard, writer))
+                if entry is None:
+                    entry = self._push_entry(shard, writer)
+                keys, head = entry
+                call = [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, seq, member, delta]
+                plan = PushPlan(push_id, deltas, {shard: [member, delta]}, {}, [(keys, call)])
+                fixed = PUSH_MAX_AGE_MS is _AGE and PUSH_MARKER_TTL_MS is _TTL
+                if head and fixed and member.isascii():
+                    b, d, f = str(now_ms), str(seq), str(delta)
+                    # fmt: off
+                    plan.wire = (
+                        f"{head}${len(b)}\r\n{b}\r\n{MAX_AGE_ENCODED}${len(d)}\r\n{d}\r\n"
+                        f"${len(member)}\r\n{member}\r\n${len(f)}\r\n{f}\r\n"
+                    ).encode()
+                    # fmt: on
+                return plan
         groups: dict[int, list[str | int]] = {}
         refused: dict[str, int] = {}
         shards = self.shards
@@ -103,17 +117,24 @@ class Intake(Keyspace):
         Kept per (shard, writer): a process pushes with a few writers (its pool). The same
         tuple each time, so that a :class:`~counters.buffer.line.Line` keeps its encoding.
         """
+        entry = self._push_keys_cache.get((shard, writer))
+        if entry is None:
+            entry = self._push_entry(shard, writer)
+        return entry[0]
+
+    def _push_entry(self, shard: int, writer: str) -> tuple[tuple[str, str, str], str]:
+        """:meth:`_push_keys` and the encoded start of a one-member push with them
+        (:func:`push_head`), kept."""
         cache = self._push_keys_cache
-        keys = cache.get((shard, writer))
-        if keys is None:
-            if len(cache) >= PUSH_KEYS_CACHED:
-                cache.clear()  # retired writers' keys
-            keys = cache[(shard, writer)] = (
-                f"{self.prefix}:{{s{shard}}}:pending",
-                f"{self.prefix}:{{s{shard}}}:w:{writer}",
-                f"{self.prefix}:{{s{shard}}}:since",
-            )
-        return keys
+        if len(cache) >= PUSH_KEYS_CACHED:
+            cache.clear()  # retired writers' keys
+        keys = (
+            f"{self.prefix}:{{s{shard}}}:pending",
+            f"{self.prefix}:{{s{shard}}}:w:{writer}",
+            f"{self.prefix}:{{s{shard}}}:since",
+        )
+        entry = cache[(shard, writer)] = (keys, push_head(self._push.sha, keys))
+        return entry
 
     def fence(self, members: Iterable[str], push_id: PushId | str) -> set[int]:
         """Make push ``push_id`` of ``members`` unable to apply from now on.
@@ -166,10 +187,31 @@ class Intake(Keyspace):
         return [{m for m, key in keys.items() if marks[reads[key]] >= seq} for seq, keys in wanted]
 
 
+def _bulk(value: int) -> str:
+    text = str(value)
+    return f"${len(text)}\r\n{text}\r\n"
+
+
+#: The push script's first and third arguments, the same in every push, encoded once (a
+#: push made when they differ, as a test may make them, is encoded by hiredis).
+_TTL, TTL_ENCODED = PUSH_MARKER_TTL_MS, _bulk(PUSH_MARKER_TTL_MS)
+_AGE, MAX_AGE_ENCODED = PUSH_MAX_AGE_MS, _bulk(PUSH_MAX_AGE_MS)
+
+
+def push_head(sha: str, keys: Sequence[str]) -> str:
+    """The start of a one-member push's command (RESP): ``EVALSHA``, the script's ``sha``,
+    ``keys`` and the first argument, the same in every push; "" if a key is not ASCII."""
+    parts = ["EVALSHA", sha, str(len(keys)), *keys]
+    if not all(part.isascii() for part in parts):
+        return ""
+    head = f"*{len(parts) + 6}\r\n" + "".join(f"${len(p)}\r\n{p}\r\n" for p in parts)
+    return head + TTL_ENCODED
+
+
 class PushPlan:
     """One push as the scripts to run, one per shard (see :meth:`Intake.plan_push`)."""
 
-    __slots__ = ("calls", "deltas", "groups", "push_id", "refused")
+    __slots__ = ("calls", "deltas", "groups", "push_id", "refused", "wire")
 
     def __init__(
         self,
@@ -186,6 +228,8 @@ class PushPlan:
         self.refused = refused
         #: ``(keys, args)`` of the push script, in the order of ``groups``.
         self.calls = calls
+        #: The command of a push of one member, encoded for Redis (else None).
+        self.wire: bytes | None = None
 
     def check(self, replies: list) -> None:
         """:meth:`outcome`, for a caller that needs only its exceptions."""

@@ -71,8 +71,9 @@ class Keyspace:
         self.client = client
         self.prefix = prefix
         self.shards = shards
-        #: (shard, writer) -> the keys of its pushes (:meth:`Intake._push_keys`).
-        self._push_keys_cache: dict[tuple[int, str], tuple[str, str, str]] = {}
+        #: (shard, writer) -> the keys of its pushes and the start of a one-member push's
+        #: command (:meth:`Intake._push_entry`).
+        self._push_keys_cache: dict[tuple[int, str], tuple[tuple[str, str, str], str]] = {}
         # redis-py's ``evalsha()`` inspects its arguments for deprecations on every
         # call, a quarter of a push's client time: a plain client takes the command
         # as is. (The cluster client routes ``evalsha`` by key itself.)

@@ -39,22 +39,19 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from counters.buffer.intake import PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS, Intake, PushPlan
+from counters.buffer.intake import (
+    MAX_AGE_ENCODED,
+    PUSH_MARKER_TTL_MS,
+    PUSH_MAX_AGE_MS,
+    Intake,
+    PushPlan,
+    push_head,
+)
 
 #: Bytes one ``recv`` asks for: the replies of many pushes.
 READ_SIZE = 65536
 #: Heads of the push scripts' commands kept per line (``EVALSHA``, the sha, the keys).
 HEADS_KEPT = 256
-
-
-def _bulk(value: int) -> str:
-    text = str(value)
-    return f"${len(text)}\r\n{text}\r\n"
-
-
-#: The push script's first and third arguments, the same in every push, encoded once.
-_TTL, _TTL_TEXT = PUSH_MARKER_TTL_MS, _bulk(PUSH_MARKER_TTL_MS)
-_AGE, _AGE_TEXT = PUSH_MAX_AGE_MS, _bulk(PUSH_MAX_AGE_MS)
 
 
 class Line:
@@ -104,11 +101,13 @@ class Line:
         ``ConnectionError`` or ``TimeoutError`` (the line is broken; ``plan``
         is not among the pushes to :meth:`abandon`).
         """
-        calls = plan.calls
-        if len(calls) == 1:
-            packed = self._packed(*calls[0])
-        else:
-            packed = b"".join([self._packed(keys, args) for keys, args in calls])
+        packed = plan.wire
+        if packed is None:
+            calls = plan.calls
+            if len(calls) == 1:
+                packed = self._packed(*calls[0])
+            else:
+                packed = b"".join([self._packed(keys, args) for keys, args in calls])
         sock = self._sock
         if sock is None:
             sock = self._open()  # NotConnected: nothing of it left, no push is unread
@@ -160,8 +159,8 @@ class Line:
         if len(args) == 6 and type(keys) is tuple:
             ttl, now_ms, max_age, seq, member, delta = args
             if (
-                ttl is _TTL
-                and max_age is _AGE
+                ttl is PUSH_MARKER_TTL_MS
+                and max_age is PUSH_MAX_AGE_MS
                 and type(member) is str
                 and type(now_ms) is type(seq) is type(delta) is int
                 and member.isascii()
@@ -173,7 +172,7 @@ class Line:
                     b, d, f = str(now_ms), str(seq), str(delta)
                     # fmt: off
                     return (
-                        f"{head}${len(b)}\r\n{b}\r\n{_AGE_TEXT}${len(d)}\r\n{d}\r\n"
+                        f"{head}${len(b)}\r\n{b}\r\n{MAX_AGE_ENCODED}${len(d)}\r\n{d}\r\n"
                         f"${len(member)}\r\n{member}\r\n${len(f)}\r\n{f}\r\n"
                     ).encode()
                     # fmt: on
@@ -185,12 +184,7 @@ class Line:
         encodes those pushes)."""
         if len(self._heads) >= HEADS_KEPT:
             self._heads.clear()
-        parts = ["EVALSHA", self.sha, str(len(keys)), *keys]
-        head = ""
-        if all(part.isascii() for part in parts):
-            head = f"*{len(parts) + 6}\r\n" + "".join(f"${len(p)}\r\n{p}\r\n" for p in parts)
-            head += _TTL_TEXT
-        self._heads[keys] = head
+        head = self._heads[keys] = push_head(self.sha, keys)
         return head
 
     def receive(self) -> tuple[PushPlan, list[Any]]:

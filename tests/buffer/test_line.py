@@ -51,6 +51,20 @@ def test_every_push_is_encoded_as_hiredis_encodes_it(buffer, line, deltas):
         assert plan.calls
         for keys, args in plan.calls:
             assert line._packed(keys, args) == expected(line, keys, args)
+        # a plan of one member of ASCII carries its command encoded already
+        one = len(plan.calls) == 1 and len(plan.calls[0][1]) == 6
+        assert (plan.wire is not None) == (one and all(m.isascii() for m in deltas))
+        if plan.wire is not None:
+            assert plan.wire == expected(line, *plan.calls[0])
+
+
+def test_a_push_made_with_other_limits_is_encoded_by_hiredis(buffer, line, monkeypatch):
+    from counters.buffer import intake
+
+    monkeypatch.setattr(intake, "PUSH_MAX_AGE_MS", 5000)
+    plan = buffer.plan_push({"unread:7": 1}, PushId("w-" + "a" * 16, 3))
+    assert plan.wire is None and plan.calls[0][1][2] == 5000
+    assert line._packed(*plan.calls[0]) == expected(line, *plan.calls[0])
 
 
 def test_arguments_of_other_types_go_to_hiredis(line):
