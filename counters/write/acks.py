@@ -68,6 +68,8 @@ ACK_AFTER = 0.05
 MAX_WAITING = 16
 #: Seconds a read waits for the acknowledging thread to complete failed pushes.
 COMPLETE_TIMEOUT = 30.0
+#: The replies of a push of one shard that added its deltas.
+_ADDED = [1]
 
 #: ``complete(deltas, using, push_id, error)``: finish a push that failed with ``error``
 #: (:func:`counters.write.delivery.complete`); it ends ``push_id``.
@@ -143,7 +145,10 @@ class Acks:
             if not plan.calls or plan.refused:
                 writers.append(writer)
                 return None
-            return self._write(Waiting(plan, push_id, deltas, self.using, complete, writer), batch)
+            push = Waiting(plan, push_id, deltas, self.using, complete, writer)
+            if batch > 1 and not getattr(_state.local, "serving", False):
+                return self._take(push, batch)
+            return self._write_now(push)
 
     def send(self, push: Waiting, batch: int = 1) -> list[Failed]:
         """Hand ``push`` to the line; the failed pushes (of the replies read, if any were).
@@ -161,11 +166,15 @@ class Acks:
             return self._write(push, batch)
 
     def _write(self, push: Waiting, batch: int) -> list[Failed]:
-        line, waiting = self.line, self.waiting
         if batch > 1 and not getattr(_state.local, "serving", False):
             return self._take(push, batch)
+        return self._write_now(push)
+
+    def _write_now(self, push: Waiting) -> list[Failed]:
+        """:meth:`_write` of a push written as it is handed on."""
+        waiting = self.waiting
         try:
-            line.send(push.plan)
+            self.line.send(push.plan)
         except Exception as exc:
             return [*self._broken(exc), (push, exc)]
         waiting.append(push)
@@ -214,23 +223,25 @@ class Acks:
 
     def _settle(self, keep: int, older_than: float | None = None) -> list[Failed]:
         failed: list[Failed] = []
-        while len(self.waiting) > keep:
-            push = self.waiting[0]
+        waiting, line, writers = self.waiting, self.line, self.writers
+        while len(waiting) > keep:
+            push = waiting[0]
             if older_than is not None and push.sent_at > older_than:
                 break
             try:
-                plan, replies = self.line.receive()
-                self.waiting.popleft()
-                plan.check(replies)
+                plan, replies = line.receive()
+                waiting.popleft()
+                if replies != _ADDED:  # not a one-shard push added: what it means
+                    plan.check(replies)
             except Exception as exc:
-                if self.waiting and self.waiting[0] is push:
-                    self.waiting.popleft()
+                if waiting and waiting[0] is push:
+                    waiting.popleft()
                 failed.append((push, exc))
-                if self.line.broken:  # the rest were written too, and may have run
+                if line.broken:  # the rest were written too, and may have run
                     failed.extend(self._broken(exc))
                 continue
             if push.writer is not None:
-                self.writers.append(push.writer)
+                writers.append(push.writer)
             else:
                 pushids.release(push.push_id)
         return failed
@@ -321,7 +332,11 @@ def send(
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
     if push_id is None:
-        failed = _acks_of_thread(using, buffer).push(deltas, complete, batch)
+        lines = getattr(_state.local, "lines", None)
+        acks = lines.get(using) if lines is not None else None
+        if acks is None or acks.buffer is not buffer:
+            acks = _acks_of_thread(using, buffer)
+        failed = acks.push(deltas, complete, batch)
         if failed is None:
             return False  # never sent: the caller waits on its push
     else:
