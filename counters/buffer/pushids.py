@@ -55,7 +55,7 @@ WRITER_ID_BYTES = 8
 _WRITER_RE = re.compile(r"^\S+$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class PushId:
     """The identity of one push: ``str()`` is ``"<writer>:<seq>"``, :meth:`parse` reads it back."""
 
@@ -108,13 +108,16 @@ class Writer:
     def next_push_id(self) -> PushId:
         self.seq += 1
         # A writer's own id and a positive count are valid: skip the checks of text (and the
-        # frozen dataclass's own setattr, writing its fields straight into the new object).
+        # frozen dataclass's own setattr, setting its slots directly).
         push_id = object.__new__(PushId)
-        fields = push_id.__dict__
-        fields["writer"] = self.id
-        fields["seq"] = self.seq
+        _set_writer(push_id, self.id)
+        _set_seq(push_id, self.seq)
         return push_id
 
+
+#: The slots of :class:`PushId`, set directly (past the frozen class's ``__setattr__``).
+_set_writer = vars(PushId)["writer"].__set__
+_set_seq = vars(PushId)["seq"].__set__
 
 _lock = threading.Lock()
 _idle: list[Writer] = []  # writers with no push in flight, ready for the next one

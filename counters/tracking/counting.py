@@ -47,7 +47,7 @@ from counters.tracking.trackers import (
     trackers_for,
 )
 from counters.tracking.where import is_expression
-from counters.write.add import add_members
+from counters.write.add import add_made, add_members
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def _insert_and_count(
     if members is None:  # a value to convert, or one the database decided
         count(model, [], [_new_row(obj, model, using, None, None)], using)
     else:
-        add_members(members, using=using)
+        add_made(members, using)
     return updated
 
 

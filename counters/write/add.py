@@ -51,3 +51,12 @@ def add_members(members: Mapping[str, int], *, using: str = DEFAULT_DB_ALIAS) ->
         changed = {member: delta for member, delta in members.items() if delta}
     if changed:
         transactions.record(changed, using, delivery.send, durable.hook)
+
+
+def add_made(members: dict[str, int], using: str) -> None:
+    """:func:`add_members` of a dict made for this call alone (the caller keeps no reference
+    to it): recorded without a copy when it holds no zero."""
+    if members and all(members.values()):
+        transactions.record(members, using, delivery.send, durable.hook)
+    else:
+        add_members(members, using=using)
