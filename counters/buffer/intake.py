@@ -78,13 +78,7 @@ class Intake(Keyspace):
                 plan = PushPlan(push_id, deltas, {shard: [member, delta]}, {}, [(keys, call)])
                 fixed = PUSH_MAX_AGE_MS is _AGE and PUSH_MARKER_TTL_MS is _TTL
                 if head and fixed and member.isascii():
-                    b, d, f = str(now_ms), str(seq), str(delta)
-                    # fmt: off
-                    plan.wire = (
-                        f"{head}${len(b)}\r\n{b}\r\n{MAX_AGE_ENCODED}${len(d)}\r\n{d}\r\n"
-                        f"${len(member)}\r\n{member}\r\n${len(f)}\r\n{f}\r\n"
-                    ).encode()
-                    # fmt: on
+                    plan.wire = encode_one(head, now_ms, seq, member, delta)
                 return plan
         groups: dict[int, list[str | int]] = {}
         refused: dict[str, int] = {}
@@ -206,6 +200,18 @@ def push_head(sha: str, keys: Sequence[str]) -> str:
         return ""
     head = f"*{len(parts) + 6}\r\n" + "".join(f"${len(p)}\r\n{p}\r\n" for p in parts)
     return head + TTL_ENCODED
+
+
+def encode_one(head: str, now_ms: int, seq: int, member: str, delta: int) -> bytes:
+    """The command of a push of one ``member`` of ASCII (RESP), from its ``head``
+    (:func:`push_head`): the same bytes as hiredis's ``pack_command``."""
+    b, d, f = str(now_ms), str(seq), str(delta)
+    # fmt: off
+    return (
+        f"{head}${len(b)}\r\n{b}\r\n{MAX_AGE_ENCODED}${len(d)}\r\n{d}\r\n"
+        f"${len(member)}\r\n{member}\r\n${len(f)}\r\n{f}\r\n"
+    ).encode()
+    # fmt: on
 
 
 class PushPlan:

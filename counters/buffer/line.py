@@ -40,11 +40,11 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from counters.buffer.intake import (
-    MAX_AGE_ENCODED,
     PUSH_MARKER_TTL_MS,
     PUSH_MAX_AGE_MS,
     Intake,
     PushPlan,
+    encode_one,
     push_head,
 )
 
@@ -169,13 +169,7 @@ class Line:
                 if head is None:
                     head = self._head(keys)
                 if head:  # "": keys of other characters than ASCII
-                    b, d, f = str(now_ms), str(seq), str(delta)
-                    # fmt: off
-                    return (
-                        f"{head}${len(b)}\r\n{b}\r\n{MAX_AGE_ENCODED}${len(d)}\r\n{d}\r\n"
-                        f"${len(member)}\r\n{member}\r\n${len(f)}\r\n{f}\r\n"
-                    ).encode()
-                    # fmt: on
+                    return encode_one(head, now_ms, seq, member, delta)
         return pack(("EVALSHA", self.sha, len(keys), *keys, *args))
 
     def _head(self, keys: tuple[str, ...]) -> str:

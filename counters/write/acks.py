@@ -145,10 +145,7 @@ class Acks:
             if not plan.calls or plan.refused:
                 writers.append(writer)
                 return None
-            push = Waiting(plan, push_id, deltas, self.using, complete, writer)
-            if batch > 1 and not getattr(_state.local, "serving", False):
-                return self._take(push, batch)
-            return self._write_now(push)
+            return self._write(Waiting(plan, push_id, deltas, self.using, complete, writer), batch)
 
     def send(self, push: Waiting, batch: int = 1) -> list[Failed]:
         """Hand ``push`` to the line; the failed pushes (of the replies read, if any were).
@@ -168,10 +165,6 @@ class Acks:
     def _write(self, push: Waiting, batch: int) -> list[Failed]:
         if batch > 1 and not getattr(_state.local, "serving", False):
             return self._take(push, batch)
-        return self._write_now(push)
-
-    def _write_now(self, push: Waiting) -> list[Failed]:
-        """:meth:`_write` of a push written as it is handed on."""
         waiting = self.waiting
         try:
             self.line.send(push.plan)
@@ -332,11 +325,7 @@ def send(
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
     if push_id is None:
-        lines = getattr(_state.local, "lines", None)
-        acks = lines.get(using) if lines is not None else None
-        if acks is None or acks.buffer is not buffer:
-            acks = _acks_of_thread(using, buffer)
-        failed = acks.push(deltas, complete, batch)
+        failed = _acks_of_thread(using, buffer).push(deltas, complete, batch)
         if failed is None:
             return False  # never sent: the caller waits on its push
     else:
