@@ -21,6 +21,7 @@ from counters.base.utils import batched, column, first_line, model_field, to_str
 from counters.buffer import pushids
 from counters.buffer.cluster import ClusterClient
 from counters.buffer.keyspace import int_reply
+from counters.buffer.scripts import PUSH_SCRIPT
 from counters.buffer.store import PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS, Buffer
 from counters.flushing import shard
 from counters.flushing.result import FlushResult
@@ -37,6 +38,7 @@ __all__ = [
     "CHUNK",
     "PUSH_MARKER_TTL_MS",
     "PUSH_MAX_AGE_MS",
+    "PUSH_SCRIPT",
     "Buffer",
     "ClusterClient",
     "FlushResult",

@@ -33,6 +33,9 @@ RATIOS = (
     ("floor", "tally"),
     ("floor", "trigger"),
     ("tally", "floor"),
+    ("floor_push", "off"),
+    ("floor_push", "trigger"),
+    ("tally", "floor_push"),
     ("floor_durable", "off"),
     ("durable", "floor_durable"),
 )

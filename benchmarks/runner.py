@@ -38,6 +38,7 @@ from .writers import (
     drop_floor_keys,
     floor_address,
     floor_prefix,
+    push_floor_prefix,
 )
 
 
@@ -124,8 +125,22 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
     result["by_processes"] = by_count
     _checks(result, buffer, ops, counter_trigger, skipped)
     if floor:
+        _push_floor_check(result, buffer, ops["floor_push"])
         _floor_check(result, buffer, ops["floor"] + ops["floor_durable"])
     return result
+
+
+def _push_floor_check(result: dict, buffer: Buffer, ops: int) -> None:
+    """Every push of the ``floor_push`` mode applied: its pending sets add up to its inserts."""
+    client = buffer.client
+    sets = [
+        k
+        for batch in batched_scan(client, f"{push_floor_prefix(buffer.prefix)}*:pending")
+        for k in batch
+    ]
+    added = sum(score for key in sets for _, score in client.zscan_iter(key))
+    result["floor_push_ops"] = ops
+    result["floor_push_sent_match"] = added == ops
 
 
 def _floor_check(result: dict, buffer: Buffer, ops: int) -> None:

@@ -24,6 +24,13 @@ Modes:
   insert of ``off``, then one pre-encoded ``INCR`` sent to Redis on a socket of
   its own after the COMMIT, its replies read 50 at a time (:class:`Floor`). No
   Python of Tally's and no Lua: what it adds to ``off`` is the send alone.
+- ``floor_push``: the least a writer can do that keeps Tally's guarantees, with no
+  Python of Tally's: a ``post_save`` receiver, connected for the mode's runs only,
+  has each created unread notification sent after its COMMIT
+  (``transaction.on_commit``) as one push of Tally's own push script (its push id
+  makes a repeat or a late delivery harmless, its fence and score limit are
+  checked in Redis), packed by hiredis onto a socket of its own, to keys of its
+  own; replies read 50 at a time (:class:`PushFloor`).
 - ``floor_durable``: the least durable mode can do for the same insert (a change
   without a transaction): the insert of ``off``, the INSERT of one outbox row
   of the same shape as Tally's (its own statement, committed before the push),
@@ -47,6 +54,7 @@ import os
 import random
 import socket
 import time
+from binascii import crc32
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -66,8 +74,12 @@ MODES = (
     "batched",
     "waited",
     "floor",
+    "floor_push",
     "floor_durable",
 )
+#: Modes whose operation is a :class:`Floor`: begun before each of their runs, finished
+#: after every run.
+FLOOR_MODES = ("floor", "floor_push", "floor_durable")
 #: The value of COUNTERS_DURABLE each mode runs with (the others do not count through Tally).
 DURABLE = {"tally": False, "durable": True}
 #: Modes that wait for each push's reply after the COMMIT (``COUNTERS_DEFER_ACKS`` off).
@@ -172,12 +184,27 @@ class Floor:
 
     def __call__(self, uid: int) -> None:
         self.insert(uid)
-        sock = self.sock or self.connect()
+        if self.sock is None:
+            self.connect()
         key = f"{self.key}{uid}".encode()
-        sock.sendall(b"*2\r\n$4\r\nINCR\r\n$%d\r\n%s\r\n" % (len(key), key))
+        self.send(b"*2\r\n$4\r\nINCR\r\n$%d\r\n%s\r\n" % (len(key), key))
+
+    def send(self, command: bytes) -> None:
+        """Write ``command`` (RESP); read the replies once :data:`WINDOW` are unread."""
+        assert self.sock is not None, "connected first"
+        self.sock.sendall(command)
         self.unread += 1
         if self.unread >= self.WINDOW:
             self.read_replies()
+
+    def begin(self) -> None:
+        """Before a run of this mode."""
+
+    def close(self) -> None:
+        """Close the socket (a writer process's exit does)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     def finish(self) -> None:
         """After a run, outside its time: read the replies still unread."""
@@ -192,6 +219,83 @@ class Floor:
                 raise BenchError("Redis closed the floor mode's connection")
             seen += chunk.count(b"\n")
         self.unread = 0
+
+
+class PushFloor(Floor):
+    """The ``floor_push`` mode: :class:`Floor` that sends what Tally's guarantees need.
+
+    Its receiver sees each saved notification, as a program must that counts every
+    save. A created unread one is pushed after its COMMIT, as one call of Tally's
+    push script (:data:`PUSH_SCRIPT`) on its member's shard of
+    :data:`SHARDS`: under this writer's next sequence number, so that a repeat, an
+    older push or a fenced one is refused, with its send time, so that a late
+    delivery is refused, and the score limit checked. Its keys are
+    ``<prefix>:floor_push:{s<shard>}:...`` (:func:`push_floor_prefix`).
+    """
+
+    #: Shards of the pushes' keys, as Tally's buffer has by default.
+    SHARDS = 16
+
+    def __init__(self, insert: Callable[[int], None]) -> None:
+        super().__init__(insert)
+        self.writer = f"bench-push-floor-{os.getpid()}"
+        self.seq = 0
+        self.sha = ""
+        self.keys: list[tuple[str, str, str]] = []
+        self.on_commit: Callable[[Callable[[], None]], None] = lambda func: func()
+        self.pack: Callable[[tuple], bytes] = bytes
+        self.ttl = self.max_age = 0
+
+    def __call__(self, uid: int) -> None:
+        self.insert(uid)  # the receiver pushes
+
+    def connect(self) -> socket.socket:
+        from django.db import transaction
+        from hiredis import pack_command
+
+        from counters import get_buffer
+
+        from .internals import PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS, PUSH_SCRIPT
+
+        buffer = get_buffer()
+        sock = super().connect()
+        self.on_commit, self.pack = transaction.on_commit, pack_command
+        self.ttl, self.max_age = PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS
+        self.sha = buffer.client.script_load(PUSH_SCRIPT)
+        prefix = push_floor_prefix(buffer.prefix)
+        shards = [f"{prefix}{{s{n}}}:" for n in range(self.SHARDS)]
+        self.keys = [(f"{s}pending", f"{s}w:{self.writer}", f"{s}since") for s in shards]
+        return sock
+
+    def begin(self) -> None:
+        from django.db.models.signals import post_save
+
+        from notifications.models import Notification
+
+        if self.sock is None:
+            self.connect()
+        post_save.connect(self.saved, sender=Notification, dispatch_uid=self.writer)
+
+    def finish(self) -> None:
+        from django.db.models.signals import post_save
+
+        from notifications.models import Notification
+
+        post_save.disconnect(sender=Notification, dispatch_uid=self.writer)
+        super().finish()
+
+    def saved(self, sender: Any, instance: Any, created: bool, **kwargs: Any) -> None:
+        """``post_save``: a created unread notification adds 1 to its recipient's count."""
+        if created and not instance.is_read:
+            uid = instance.recipient_id
+            self.on_commit(lambda: self.push(f"unread:{uid}", 1))
+
+    def push(self, member: str, delta: int) -> None:
+        self.seq += 1
+        keys = self.keys[crc32(member.encode()) % self.SHARDS]
+        now_ms = int(time.time() * 1000)
+        args = (self.ttl, now_ms, self.max_age, self.seq, member, delta)
+        self.send(self.pack(("EVALSHA", self.sha, 3, *keys, *args)))
 
 
 class DurableFloor(Floor):
@@ -242,10 +346,16 @@ def floor_prefix(buffer_prefix: str) -> str:
     return f"{buffer_prefix}:floor:"
 
 
+def push_floor_prefix(buffer_prefix: str) -> str:
+    """Keys of the ``floor_push`` mode, under the bench's key prefix."""
+    return f"{buffer_prefix}:floor_push:"
+
+
 def drop_floor_keys(client: Any, buffer_prefix: str) -> None:
-    """Delete the keys the ``floor`` mode incremented."""
-    for keys in batched_scan(client, f"{floor_prefix(buffer_prefix)}*"):
-        client.delete(*keys)
+    """Delete the keys the ``floor`` and ``floor_push`` modes wrote."""
+    for prefix in (floor_prefix(buffer_prefix), push_floor_prefix(buffer_prefix)):
+        for keys in batched_scan(client, f"{prefix}*"):
+            client.delete(*keys)
 
 
 def batched_scan(client: Any, pattern: str, size: int = 500) -> Iterator[list]:
@@ -282,6 +392,7 @@ def operations() -> dict[str, Callable[[int], None]]:
     # trigger: the insert of off; the trigger the bench installs for the run counts it
     return {
         "floor": Floor(off),
+        "floor_push": PushFloor(off),
         "floor_durable": DurableFloor(off),
         "off": off,
         "naive": naive,
@@ -345,10 +456,13 @@ def writer_main(
             # Set for the whole run: ``tally`` and ``durable`` share one operation.
             set_mode(run.mode, send_delay_ms)
             cpu = time.process_time()
-            done = perform(run, ops[run.mode], pickers[run.workload])
+            op = ops[run.mode]
+            if isinstance(op, Floor):
+                op.begin()
+            done = perform(run, op, pickers[run.workload])
             counters.push_queued()  # the queue's tail, before the next run
-            ops["floor"].finish()  # type: ignore[attr-defined]
-            ops["floor_durable"].finish()  # type: ignore[attr-defined]
+            for floor in FLOOR_MODES:
+                ops[floor].finish()  # type: ignore[attr-defined]
             done = replace(done, cpu_s=time.process_time() - cpu)
             conn.send(("done", done))
         except Exception as exc:

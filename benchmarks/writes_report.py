@@ -124,9 +124,12 @@ def _floor(by_count: dict) -> list[str]:
         return []
     lines = [
         "",
-        "floor: the insert and one command sent to Redis after the COMMIT, nothing else:",
-        "floor_durable: the same with one outbox row INSERTed between them (durable mode's):",
+        "floor: the insert and one command sent to Redis after the COMMIT, nothing else;",
+        "floor_push: the insert, a post_save receiver and, after the COMMIT, one call of",
+        "Tally's push script under a push id (what its guarantees need), nothing else;",
+        "floor_durable: floor with one outbox row INSERTed between them (durable mode's):",
         f"{'procs':<6}{'workload':<9}{'floor/off':>10}{'floor/trigger':>14}{'tally/floor':>12}"
+        f"{'floor_push/off':>15}{'floor_push/trigger':>19}{'tally/floor_push':>17}"
         f"{'floor_durable/off':>18}{'durable/floor_durable':>22}"
         f"{'batched/trigger':>16}{'batched/floor':>14}",
     ]
@@ -138,6 +141,9 @@ def _floor(by_count: dict) -> list[str]:
                 + _get(r, "floor_off", 10, 2)
                 + _get(r, "floor_trigger", 14, 2)
                 + _get(r, "tally_floor", 12, 2)
+                + _get(r, "floor_push_off", 15, 2)
+                + _get(r, "floor_push_trigger", 19, 2)
+                + _get(r, "tally_floor_push", 17, 2)
                 + _get(r, "floor_durable_off", 18, 2)
                 + _get(r, "durable_floor_durable", 22, 2)
                 + _get(r, "batched_trigger", 16, 2)

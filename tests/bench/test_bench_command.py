@@ -28,15 +28,16 @@ POSTGRES = connection.vendor == "postgresql"
 #: The write modes of a run on this database (the trigger needs PostgreSQL).
 MODES = (
     *("off", "naive", *(("trigger",) if POSTGRES else ())),
-    *("tally", "durable", "sender", "batched", "waited", "floor", "floor_durable"),
+    *("tally", "durable", "sender", "batched", "waited", "floor", "floor_push", "floor_durable"),
 )
 #: Ratios of a run: those of the trigger on PostgreSQL only.
 RATIOS = (
     *("tally_off", "tally_naive", "durable_off", "durable_tally", "sender_off", "sender_tally"),
     *("waited_off", "waited_tally", "tally_waited", "floor_off", "floor_tally", "tally_floor"),
     *("floor_durable_off", "durable_floor_durable", "batched_off", "batched_tally"),
-    "batched_floor",
+    *("batched_floor", "floor_push_off", "tally_floor_push"),
     *(("trigger_off", "tally_trigger", "floor_trigger", "batched_trigger") if POSTGRES else ()),
+    *(("floor_push_trigger",) if POSTGRES else ()),
 )
 #: Per-insert costs measured only on PostgreSQL (backend CPU: when the server is local).
 SERVER_COSTS = ("backend_cpu_us", "wal_bytes")
@@ -132,6 +133,9 @@ def test_quick_json_checks_and_targets(quick_run):
     # every insert of the floor mode sent its INCR: their keys add up to its inserts
     assert quick_run["writes"]["floor_ops"] > 0
     assert quick_run["writes"]["floor_sent_match"] is True
+    # every insert of the floor_push mode was pushed once and applied by the push script
+    assert quick_run["writes"]["floor_push_ops"] > 0
+    assert quick_run["writes"]["floor_push_sent_match"] is True
     assert quick_run["writes"]["durable_ops"] > 0
     # every durable write's push applied: the flush's DELETE took each row
     assert quick_run["writes"]["outbox_rows_applied"] > 0
@@ -140,8 +144,16 @@ def test_quick_json_checks_and_targets(quick_run):
     for key in ("database", "redis"):
         assert quick_run["machine"][key]
     assert len(quick_run["load_start"]) == len(quick_run["load_end"]) == 3
-    assert [t["name"] for t in quick_run["targets"]] == [t.name for t in TARGETS]
+    assert [t["name"] for t in quick_run["targets"]] == [
+        t.name for t in TARGETS if POSTGRES or "trigger" not in t.name
+    ]
     assert all(isinstance(t["met"], bool) for t in quick_run["targets"])
+    # a target of the writes is shown beside the same figure of its floor mode, in the run
+    for t in quick_run["targets"]:
+        if t["name"].startswith(("tally/off", "tally/trigger", "durable/off")):
+            workload = t["name"].rsplit(" ", 1)[1]
+            assert t["floor_value"] == quick_run["writes"][workload][t["floor"]]
+            assert t["floor_met"] is (t["floor_value"] >= t["threshold"])
 
 
 @pytest.mark.redis
