@@ -28,9 +28,11 @@ class Target:
     #: The same figure of the least program with the same guarantees (a floor mode), if any:
     #: a target it misses too is out of reach in that run.
     floor: tuple[str, ...] | None = None
+    #: The figure that ``path``'s (and ``floor``'s) is divided by, if any.
+    per: tuple[str, ...] | None = None
 
     def check(self, results: dict[str, Any]) -> dict[str, Any] | None:
-        value = _dig(results, self.path)
+        value = self._value(results, self.path)
         if value is None:
             return None
         checked = {
@@ -40,7 +42,7 @@ class Target:
             "threshold": self.threshold,
             "met": self._meets(value),
         }
-        floor = _dig(results, self.floor) if self.floor else None
+        floor = self._value(results, self.floor) if self.floor else None
         if self.floor and floor is not None:
             checked |= {
                 "floor": self.floor[-1],
@@ -48,6 +50,13 @@ class Target:
                 "floor_met": self._meets(floor),
             }
         return checked
+
+    def _value(self, results: dict[str, Any], path: tuple[str, ...]) -> Any:
+        value = _dig(results, path)
+        if self.per is None or value is None:
+            return value
+        per = _dig(results, self.per)
+        return round(value / per, 3) if per else None
 
     def _meets(self, value: float) -> bool:
         return value >= self.threshold if self.op == ">=" else value <= self.threshold
@@ -78,6 +87,18 @@ TARGETS = (
     _write_target("tally/off", "hot", "tally_off", 0.9, "floor_push_off"),
     _write_target("tally/trigger", "spread", "tally_trigger", 0.95, "floor_push_trigger"),
     _write_target("tally/trigger", "hot", "tally_trigger", 1.4, "floor_push_trigger"),
+    *(
+        Target(
+            f"tally {label}/off {workload}",
+            ("writes", workload, f"tally_{figure}"),
+            "<=",
+            1.05,
+            ("writes", workload, f"floor_push_{figure}"),
+            per=("writes", workload, f"off_{figure}"),
+        )
+        for label, figure in (("backend CPU", "backend_cpu_us"), ("WAL", "wal_bytes"))
+        for workload in ("spread", "hot")
+    ),
     _write_target("durable/off", "spread", "durable_off", 0.75, "floor_durable_off"),
     _write_target("durable/off", "hot", "durable_off", 0.75, "floor_durable_off"),
     Target("tally/naive hot", ("writes", "hot", "tally_naive"), ">=", 3.0),
@@ -250,7 +271,7 @@ def render(results: dict) -> str:
         ]
         for t in results["targets"]:
             line = (
-                f"  {t['name']:<26}{t['value']:>9.2f} {t['op']} {t['threshold']:<6g}"
+                f"  {t['name']:<30}{t['value']:>9.2f} {t['op']} {t['threshold']:<6g}"
                 f"{'met' if t['met'] else 'NOT MET':<9}"
             )
             if "floor" in t:

@@ -240,18 +240,17 @@ class PushFloor(Floor):
         super().__init__(insert)
         self.writer = f"bench-push-floor-{os.getpid()}"
         self.seq = 0
-        self.sha = ""
-        self.keys: list[tuple[str, str, str]] = []
+        #: Per shard, the start of its pushes' command (RESP), the same in every push.
+        self.heads: list[str] = []
+        self.max_age = ""
         self.on_commit: Callable[[Callable[[], None]], None] = lambda func: func()
-        self.pack: Callable[[tuple], bytes] = bytes
-        self.ttl = self.max_age = 0
+        self.conn: Any = None
 
     def __call__(self, uid: int) -> None:
         self.insert(uid)  # the receiver pushes
 
     def connect(self) -> socket.socket:
         from django.db import transaction
-        from hiredis import pack_command
 
         from counters import get_buffer
 
@@ -259,12 +258,18 @@ class PushFloor(Floor):
 
         buffer = get_buffer()
         sock = super().connect()
-        self.on_commit, self.pack = transaction.on_commit, pack_command
-        self.ttl, self.max_age = PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS
-        self.sha = buffer.client.script_load(PUSH_SCRIPT)
+        self.on_commit, self.conn = transaction.on_commit, transaction.get_connection()
+        sha = buffer.client.script_load(PUSH_SCRIPT)
         prefix = push_floor_prefix(buffer.prefix)
         shards = [f"{prefix}{{s{n}}}:" for n in range(self.SHARDS)]
-        self.keys = [(f"{s}pending", f"{s}w:{self.writer}", f"{s}since") for s in shards]
+        # EVALSHA, 3 keys, then the push's arguments: ttl, sent_at, max_age, seq, member, delta
+        self.heads = [
+            f"*{3 + 3 + 6}\r\n"
+            + resp("EVALSHA", sha, 3, f"{s}pending", f"{s}w:{self.writer}", f"{s}since")
+            + resp(PUSH_MARKER_TTL_MS)
+            for s in shards
+        ]
+        self.max_age = resp(PUSH_MAX_AGE_MS)
         return sock
 
     def begin(self) -> None:
@@ -274,6 +279,7 @@ class PushFloor(Floor):
 
         if self.sock is None:
             self.connect()
+        self.conn.ensure_connection()
         post_save.connect(self.saved, sender=Notification, dispatch_uid=self.writer)
 
     def finish(self) -> None:
@@ -285,17 +291,30 @@ class PushFloor(Floor):
         super().finish()
 
     def saved(self, sender: Any, instance: Any, created: bool, **kwargs: Any) -> None:
-        """``post_save``: a created unread notification adds 1 to its recipient's count."""
+        """``post_save``: a created unread notification adds 1 to its recipient's count,
+        pushed once its transaction commits: now, when the save committed already."""
         if created and not instance.is_read:
-            uid = instance.recipient_id
-            self.on_commit(lambda: self.push(f"unread:{uid}", 1))
+            member = f"unread:{instance.recipient_id}"
+            conn = self.conn  # this writer's: read without Django's lookup and its checks
+            if conn.in_atomic_block or not conn.autocommit:
+                self.on_commit(lambda: self.push(member, 1))
+            else:
+                self.push(member, 1)
 
     def push(self, member: str, delta: int) -> None:
+        """Send the push of ``member``'s ``delta``, encoded from its shard's fixed start."""
         self.seq += 1
-        keys = self.keys[crc32(member.encode()) % self.SHARDS]
-        now_ms = int(time.time() * 1000)
-        args = (self.ttl, now_ms, self.max_age, self.seq, member, delta)
-        self.send(self.pack(("EVALSHA", self.sha, 3, *keys, *args)))
+        head = self.heads[crc32(member.encode()) % self.SHARDS]
+        sent, seq, d = str(int(time.time() * 1000)), str(self.seq), str(delta)
+        self.send(
+            f"{head}${len(sent)}\r\n{sent}\r\n{self.max_age}${len(seq)}\r\n{seq}\r\n"
+            f"${len(member)}\r\n{member}\r\n${len(d)}\r\n{d}\r\n".encode()
+        )
+
+
+def resp(*parts: object) -> str:
+    """``parts`` as RESP bulk strings (ASCII)."""
+    return "".join(f"${len(str(p))}\r\n{p}\r\n" for p in parts)
 
 
 class DurableFloor(Floor):

@@ -144,16 +144,24 @@ def test_quick_json_checks_and_targets(quick_run):
     for key in ("database", "redis"):
         assert quick_run["machine"][key]
     assert len(quick_run["load_start"]) == len(quick_run["load_end"]) == 3
+    # the trigger's and the database's costs are measured on (a local) PostgreSQL only
     assert [t["name"] for t in quick_run["targets"]] == [
-        t.name for t in TARGETS if POSTGRES or "trigger" not in t.name
+        t.name for t in TARGETS if POSTGRES or not ("trigger" in t.name or t.per)
     ]
     assert all(isinstance(t["met"], bool) for t in quick_run["targets"])
     # a target of the writes is shown beside the same figure of its floor mode, in the run
+    writes = quick_run["writes"]
     for t in quick_run["targets"]:
+        workload = t["name"].rsplit(" ", 1)[1]
         if t["name"].startswith(("tally/off", "tally/trigger", "durable/off")):
-            workload = t["name"].rsplit(" ", 1)[1]
-            assert t["floor_value"] == quick_run["writes"][workload][t["floor"]]
+            assert t["floor_value"] == writes[workload][t["floor"]]
             assert t["floor_met"] is (t["floor_value"] >= t["threshold"])
+        elif t["name"].startswith("tally ") and "/off" in t["name"]:  # a cost over off's
+            figure = t["floor"].removeprefix("floor_push_")
+            off = writes[workload][f"off_{figure}"]
+            assert t["value"] == round(writes[workload][f"tally_{figure}"] / off, 3)
+            assert t["floor_value"] == round(writes[workload][t["floor"]] / off, 3)
+            assert t["met"] is (t["value"] <= 1.05)
 
 
 @pytest.mark.redis
