@@ -189,11 +189,12 @@ class Floor:
         key = f"{self.key}{uid}".encode()
         self.send(b"*2\r\n$4\r\nINCR\r\n$%d\r\n%s\r\n" % (len(key), key))
 
-    def send(self, command: bytes) -> None:
-        """Write ``command`` (RESP); read the replies once :data:`WINDOW` are unread."""
+    def send(self, command: bytes, replies: int = 1) -> None:
+        """Write ``command`` (RESP: ``replies`` commands); read the replies once
+        :data:`WINDOW` are unread."""
         assert self.sock is not None, "connected first"
         self.sock.sendall(command)
-        self.unread += 1
+        self.unread += replies
         if self.unread >= self.WINDOW:
             self.read_replies()
 
@@ -224,23 +225,33 @@ class Floor:
 class PushFloor(Floor):
     """The ``floor_push`` mode: :class:`Floor` that sends what Tally's guarantees need.
 
-    Its receiver sees each saved notification, as a program must that counts every
-    save. A created unread one is pushed after its COMMIT, as one call of Tally's
-    push script (:data:`PUSH_SCRIPT`) on its member's shard of
-    :data:`SHARDS`: under this writer's next sequence number, so that a repeat, an
-    older push or a fenced one is refused, with its send time, so that a late
-    delivery is refused, and the score limit checked. Its keys are
-    ``<prefix>:floor_push:{s<shard>}:...`` (:func:`push_floor_prefix`).
+    Its receiver sees each saved row of ``model`` (a label; notifications by
+    default), as a program must that counts every save. The members and
+    deltas of a created row (``deltas``: by default +1 to its recipient's
+    unread count if it is unread, None for nothing) are pushed after its
+    COMMIT, as one call of Tally's push script (:data:`PUSH_SCRIPT`) per
+    shard of :data:`SHARDS` they fall on: under this writer's next sequence
+    number, so that a repeat, an older push or a fenced one is refused, with
+    its send time, so that a late delivery is refused, and the score limit
+    checked. Its keys are ``<prefix>:floor_push:{s<shard>}:...``
+    (:func:`push_floor_prefix`).
     """
 
     #: Shards of the pushes' keys, as Tally's buffer has by default.
     SHARDS = 16
 
-    def __init__(self, insert: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        insert: Callable[[int], None],
+        model: str = "notifications.Notification",
+        deltas: Callable[[Any], dict[str, int] | None] | None = None,
+    ) -> None:
         super().__init__(insert)
+        self.model = model
+        self.deltas = deltas or unread_delta
         self.writer = f"bench-push-floor-{os.getpid()}"
         self.seq = 0
-        #: Per shard, the start of its pushes' command (RESP), the same in every push.
+        #: Per shard, the start of its pushes' command after the array's length (RESP).
         self.heads: list[str] = []
         self.max_age = ""
         self.on_commit: Callable[[Callable[[], None]], None] = lambda func: func()
@@ -262,10 +273,9 @@ class PushFloor(Floor):
         sha = buffer.client.script_load(PUSH_SCRIPT)
         prefix = push_floor_prefix(buffer.prefix)
         shards = [f"{prefix}{{s{n}}}:" for n in range(self.SHARDS)]
-        # EVALSHA, 3 keys, then the push's arguments: ttl, sent_at, max_age, seq, member, delta
+        # EVALSHA, 3 keys, then the push's arguments: ttl, sent_at, max_age, seq, members
         self.heads = [
-            f"*{3 + 3 + 6}\r\n"
-            + resp("EVALSHA", sha, 3, f"{s}pending", f"{s}w:{self.writer}", f"{s}since")
+            resp("EVALSHA", sha, 3, f"{s}pending", f"{s}w:{self.writer}", f"{s}since")
             + resp(PUSH_MARKER_TTL_MS)
             for s in shards
         ]
@@ -273,43 +283,60 @@ class PushFloor(Floor):
         return sock
 
     def begin(self) -> None:
+        from django.apps import apps
         from django.db.models.signals import post_save
-
-        from notifications.models import Notification
 
         if self.sock is None:
             self.connect()
         self.conn.ensure_connection()
-        post_save.connect(self.saved, sender=Notification, dispatch_uid=self.writer)
+        post_save.connect(self.saved, sender=apps.get_model(self.model), dispatch_uid=self.writer)
 
     def finish(self) -> None:
+        from django.apps import apps
         from django.db.models.signals import post_save
 
-        from notifications.models import Notification
-
-        post_save.disconnect(sender=Notification, dispatch_uid=self.writer)
+        post_save.disconnect(sender=apps.get_model(self.model), dispatch_uid=self.writer)
         super().finish()
 
     def saved(self, sender: Any, instance: Any, created: bool, **kwargs: Any) -> None:
-        """``post_save``: a created unread notification adds 1 to its recipient's count,
-        pushed once its transaction commits: now, when the save committed already."""
-        if created and not instance.is_read:
-            member = f"unread:{instance.recipient_id}"
+        """``post_save``: a created row's deltas, pushed once its transaction commits: now,
+        when the save committed already."""
+        if created and (deltas := self.deltas(instance)):
             conn = self.conn  # this writer's: read without Django's lookup and its checks
             if conn.in_atomic_block or not conn.autocommit:
-                self.on_commit(lambda: self.push(member, 1))
+                self.on_commit(lambda: self.push(deltas))
             else:
-                self.push(member, 1)
+                self.push(deltas)
 
-    def push(self, member: str, delta: int) -> None:
-        """Send the push of ``member``'s ``delta``, encoded from its shard's fixed start."""
+    def push(self, deltas: dict[str, int]) -> None:
+        """Send the push of ``deltas``: per shard, one command encoded from its fixed start."""
         self.seq += 1
-        head = self.heads[crc32(member.encode()) % self.SHARDS]
-        sent, seq, d = str(int(time.time() * 1000)), str(self.seq), str(delta)
-        self.send(
-            f"{head}${len(sent)}\r\n{sent}\r\n{self.max_age}${len(seq)}\r\n{seq}\r\n"
-            f"${len(member)}\r\n{member}\r\n${len(d)}\r\n{d}\r\n".encode()
+        sent, seq = str(int(time.time() * 1000)), str(self.seq)
+        if len(deltas) == 1:  # one member: one command
+            ((member, delta),) = deltas.items()
+            head, d = self.heads[crc32(member.encode()) % self.SHARDS], str(delta)
+            self.send(
+                f"*12\r\n{head}${len(sent)}\r\n{sent}\r\n{self.max_age}${len(seq)}\r\n{seq}\r\n"
+                f"${len(member)}\r\n{member}\r\n${len(d)}\r\n{d}\r\n".encode()
+            )
+            return
+        shards: dict[int, list[str]] = {}
+        for member, delta in deltas.items():
+            d = str(delta)
+            shards.setdefault(crc32(member.encode()) % self.SHARDS, []).append(
+                f"${len(member)}\r\n{member}\r\n${len(d)}\r\n{d}\r\n"
+            )
+        commands = (
+            f"*{10 + 2 * len(pairs)}\r\n{self.heads[shard]}${len(sent)}\r\n{sent}\r\n"
+            f"{self.max_age}${len(seq)}\r\n{seq}\r\n{''.join(pairs)}"
+            for shard, pairs in shards.items()
         )
+        self.send("".join(commands).encode(), len(shards))  # one write for every shard
+
+
+def unread_delta(notification: Any) -> dict[str, int] | None:
+    """+1 to the unread count of a notification's recipient, if it is unread."""
+    return None if notification.is_read else {f"unread:{notification.recipient_id}": 1}
 
 
 def resp(*parts: object) -> str:

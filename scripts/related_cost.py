@@ -8,6 +8,11 @@ on this machine). The models and counters are those of ``tests.blog``:
 - ``plain_off`` / ``plain``: ``Comment.objects.create(approved=True)``, paused /
   counted by its two counters keyed by the comment's own column
   (``post_comments``, ``post_points``);
+- ``plain_floor``: the paused insert of ``plain_off``, and the least a writer can
+  do that keeps Tally's guarantees for those two counters: a ``post_save``
+  receiver that pushes both members after the COMMIT with Tally's push script,
+  under a push id, one call per shard they fall on
+  (:class:`benchmarks.writers.PushFloor`), and nothing else;
 - ``related_off`` / ``related``: ``RelComment.objects.create(approved=True)``,
   paused / counted by its three counters over related paths
   (``post__author``, ``post__editor`` with ``post__published``, and ``post``
@@ -42,20 +47,25 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts.write_cost import backend_cpu  # noqa: E402
 
+if TYPE_CHECKING:
+    from benchmarks.writers import PushFloor
+
 MODES = (
-    *("plain_off", "plain", "related_off", "related", "move_off", "move"),
+    *("plain_off", "plain", "plain_floor", "related_off", "related", "move_off", "move"),
     *("hops_off", "hops", "hop_move_off", "hop_move"),
 )
 
 
-def operations(below: int) -> dict[str, Callable[[], None]]:
-    """One change per mode. Django must be set up."""
+def operations(below: int) -> tuple[dict[str, Callable[[], None]], PushFloor]:
+    """One change per mode, and the floor of ``plain_floor``. Django must be set up."""
+    from benchmarks.writers import PushFloor
     from counters import paused
     from tests.blog.models import (
         Comment,
@@ -109,7 +119,16 @@ def operations(below: int) -> dict[str, Callable[[], None]]:
         return run
 
     counted = {"plain": plain, "related": related, "move": move, "hops": hops, "hop_move": hop_move}
-    return {**counted, **{f"{name}_off": off(op) for name, op in counted.items()}}
+    ops = {**counted, **{f"{name}_off": off(op) for name, op in counted.items()}}
+    floor = PushFloor(lambda _: ops["plain_off"](), "blog.Comment", comment_deltas)
+    return {**ops, "plain_floor": lambda: floor(0)}, floor
+
+
+def comment_deltas(comment: Any) -> dict[str, int] | None:
+    """What ``post_comments`` and ``post_points`` count of a created comment."""
+    if not comment.approved:
+        return None
+    return {f"post_comments:{comment.post_id}": 1, f"post_points:{comment.post_id}": comment.points}
 
 
 def main() -> int:
@@ -130,13 +149,14 @@ def main() -> int:
     from django.test.signals import setting_changed
 
     import counters
+    from benchmarks.writers import drop_floor_keys
 
     if connection.vendor != "postgresql":
         parser.error("needs PostgreSQL on this machine (DATABASE_URL=postgres://...)")
     # The defaults of a project (the test settings wait on every push).
     settings.COUNTERS_DEFER_ACKS = True
     setting_changed.send(type(settings), setting="COUNTERS_DEFER_ACKS", value=True, enter=True)
-    ops = operations(args.below)
+    ops, floor = operations(args.below)
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_backend_pid()")
         backend = cursor.fetchone()[0]
@@ -144,6 +164,8 @@ def main() -> int:
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     for round_ in range(args.rounds):
         for mode in MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]:
+            if mode == "plain_floor":
+                floor.begin()
             for _ in range(50):
                 ops[mode]()
             counters.push_queued()
@@ -151,9 +173,11 @@ def main() -> int:
             for _ in range(args.inserts):
                 ops[mode]()
             counters.push_queued()
+            floor.finish()
             spent = (time.process_time() - cpu, backend_cpu(backend) - db)
             results[mode].append(tuple(t / args.inserts * 1e6 for t in spent))  # type: ignore[arg-type]
         counters.flush()
+    drop_floor_keys(counters.get_client(), counters.get_buffer().prefix)
 
     print(f"one writer, {args.inserts} changes x {args.rounds} rounds, µs per change (median)")
     print(f"{'mode':<12} {'writer':>7} {'postgres':>9} {'extra writer':>13} {'extra postgres':>15}")

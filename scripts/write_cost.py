@@ -105,7 +105,7 @@ def main() -> int:
     from django.db import connection
 
     import counters
-    from benchmarks.writers import FLOOR_MODES, Floor, operations, set_mode
+    from benchmarks.writers import FLOOR_MODES, Floor, drop_floor_keys, operations, set_mode
     from notifications.models import Notification
 
     if connection.vendor != "postgresql":
@@ -150,6 +150,7 @@ def main() -> int:
     set_mode("tally", 0)
     Notification.objects.filter(recipient=user).delete()
     counters.flush()
+    drop_floor_keys(counters.get_client(), counters.get_buffer().prefix)
 
     def us(values: list[float]) -> float:
         return statistics.median(values) * 1e6

@@ -70,3 +70,39 @@ def check_pushes(floor: PushFloor, a: int, b: int, counters_prefix: str) -> None
     } == expected
     assert floor.seq == 4
     assert Notification.objects.filter(recipient_id__in=[a, b]).count() == 7
+
+
+def test_floor_push_pushes_every_member_of_a_change_under_one_push_id(counters_prefix):
+    """Two counters of one model: one command per shard the members fall on, in one write,
+    all under the same sequence number."""
+    from tests.blog.models import Comment, Post
+
+    post = Post.objects.create(title="floor")
+    members = [f"post_comments:{post.pk}", f"post_points:{post.pk}"]
+    shards = {crc32(m.encode()) % PushFloor.SHARDS for m in members}
+
+    def deltas(comment: Comment) -> dict[str, int] | None:
+        return dict(zip(members, (1, comment.points), strict=True)) if comment.approved else None
+
+    def insert(_: int) -> None:
+        with counters.paused():
+            Comment.objects.create(post=post, approved=True, points=3)
+
+    floor = PushFloor(insert, "blog.Comment", deltas)
+    try:
+        floor.begin()
+        floor(0)
+        floor(0)
+        with counters.paused():
+            Comment.objects.create(post=post, approved=False)  # counted by neither
+        assert floor.unread == 2 * len(shards)
+        floor.finish()
+    finally:
+        floor.close()
+    client = counters.get_client()
+    assert pushed(client, counters_prefix) == {members[0]: 2, members[1]: 6}
+    prefix = push_floor_prefix(counters_prefix)
+    assert {n: int(client.hget(f"{prefix}{{s{n}}}:w:{floor.writer}", "seq")) for n in shards} == {
+        n: 2 for n in shards
+    }
+    assert Comment.objects.filter(post=post).count() == 3
