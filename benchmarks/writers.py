@@ -26,11 +26,12 @@ Modes:
   Python of Tally's and no Lua: what it adds to ``off`` is the send alone.
 - ``floor_push``: the least a writer can do that keeps Tally's guarantees, with no
   Python of Tally's: a ``post_save`` receiver, connected for the mode's runs only,
-  has each created unread notification sent after its COMMIT
-  (``transaction.on_commit``) as one push of Tally's own push script (its push id
-  makes a repeat or a late delivery harmless, its fence and score limit are
-  checked in Redis), packed by hiredis onto a socket of its own, to keys of its
-  own; replies read 50 at a time (:class:`PushFloor`).
+  has each created unread notification sent after its COMMIT (at once when the
+  save committed already, else by ``transaction.on_commit``) as one push of
+  Tally's own push script (its push id makes a repeat or a late delivery
+  harmless, its fence and score limit are checked in Redis), encoded from a
+  head kept per shard and written to a socket of its own, to keys of its own;
+  replies read 50 at a time (:class:`PushFloor`).
 - ``floor_durable``: the least durable mode can do for the same insert (a change
   without a transaction): the insert of ``off``, the INSERT of one outbox row
   of the same shape as Tally's (its own statement, committed before the push),
