@@ -97,9 +97,10 @@ SETTINGS: dict[str, Setting] = {
             int,
             2,
             "Shards one flush drains side by side, each lane a thread with a database "
-            "connection of its own; their apply transactions take turns, so one lane "
-            "moves its next batch out of Redis while another's statement runs. 1: one "
-            "shard after another. A flush inside a transaction, or on SQLite, uses one.",
+            "connection of its own; their batches' statements take turns, so one lane "
+            "moves its next batch out of Redis, or commits one, while another's statement "
+            "runs. 1: one shard after another. A flush inside a transaction, or on SQLite, "
+            "uses one.",
         ),
         Setting(
             "COUNTERS_FLUSH_TIME_BUDGET",

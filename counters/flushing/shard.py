@@ -33,8 +33,9 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections
@@ -65,6 +66,11 @@ def new_batch_id() -> str:
     return uuid.uuid4().hex
 
 
+#: The lanes' turn at the database (:class:`Lanes`) that :func:`apply_batch` takes in this
+#: thread, set by :meth:`ShardFlush.apply`; None with one lane.
+_turn: ContextVar[threading.Lock | None] = ContextVar("counters_flush_turn", default=None)
+
+
 def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
     """Apply ``batch`` unless the ledger says it already was. Raises on DB errors.
 
@@ -74,21 +80,30 @@ def apply_batch(batch: Batch, using: str, result: FlushResult) -> None:
     only counted as ``already_applied``. Under :func:`counters.flushing.waits.limited`
     (the flush loop), the transaction's lock waits, statements and idle time
     are bounded: a lock timeout raises ``OperationalError``.
+
+    With lanes, their turn at the database is held from before BEGIN until
+    the transaction's last statement has returned: the COMMIT, and what
+    follows it, run beside the next lane's statements.
     """
     rows = FlushBatch.objects.using(using)
     if batch.recovered and rows.filter(pk=batch.batch_id).exists():
         result.already_applied += 1
         return
     try:
-        with waits.atomic(using):
-            # The ledger row goes first: a second applier of the same batch
-            # waits on this primary key and then fails instead of adding twice.
-            ledger.record_batch(batch, using)
-            applied = apply_deltas(batch.items, using)
-            if applied.dropped:
-                rows.filter(pk=batch.batch_id).update(
-                    dropped=applied.dropped, keys=applied.keys, deltas=applied.deltas
-                )
+        with ExitStack() as held:
+            turn = _turn.get()
+            if turn is not None:
+                held.enter_context(turn)
+            with waits.atomic(using):
+                # The ledger row goes first: a second applier of the same batch
+                # waits on this primary key and then fails instead of adding twice.
+                ledger.record_batch(batch, using)
+                applied = apply_deltas(batch.items, using)
+                if applied.dropped:
+                    rows.filter(pk=batch.batch_id).update(
+                        dropped=applied.dropped, keys=applied.keys, deltas=applied.deltas
+                    )
+                held.close()  # statements done: the COMMIT runs beside the next lane's
     except IntegrityError:
         if rows.filter(pk=batch.batch_id).exists():
             result.already_applied += 1
@@ -255,7 +270,7 @@ class ShardFlush:
         limits = waits.apply_limits(self.lease_timeout, self.deadline - time.monotonic())
         batch = prepared(batch, self.using)
         try:
-            with waits.limited(limits), self.turn or nullcontext():
+            with waits.limited(limits), taking_turns(self.turn):
                 apply_batch(batch, self.using, self.result)
         except SYSTEMIC:
             raise  # the database, not the deltas: the batch stays in flight as it is
@@ -304,6 +319,16 @@ class ShardFlush:
             return False
         self.moved += len(batch.items)
         return self.moved >= self.target and not self.returned
+
+
+@contextmanager
+def taking_turns(turn: threading.Lock | None) -> Iterator[None]:
+    """Have :func:`apply_batch` hold ``turn`` for its statements within the block."""
+    token = _turn.set(turn)
+    try:
+        yield
+    finally:
+        _turn.reset(token)
 
 
 def prepared(batch: Batch, using: str) -> Batch:
@@ -379,11 +404,11 @@ def flush_buffer(
 
     ``lanes`` (default ``COUNTERS_FLUSH_LANES``): shards drained side by side by
     this flush, each lane a thread with a database connection of its own
-    (:class:`Lanes`), one apply transaction at a time among them: while one
+    (:class:`Lanes`), one batch's statements at a time among them: while one
     lane's batch is in the database, another moves and prepares its next
-    batch. One lane where that cannot be: inside a transaction on ``using``
-    (the lanes' connections would not see its rows), on SQLite (one writer),
-    or for a single shard.
+    batch, or commits the one before. One lane where that cannot be: inside
+    a transaction on ``using`` (the lanes' connections would not see its
+    rows), on SQLite (one writer), or for a single shard.
     """
     order = chosen_shards(buffer, shards)
     started = time.monotonic()
@@ -417,15 +442,18 @@ def database_gone(using: str) -> bool:
 
 
 class Lanes:
-    """Shards of one flush drained by several threads, one database transaction at a time.
+    """Shards of one flush drained by several threads, one batch's statements at a time.
 
     A batch's apply waits on the database for most of its time; the epoch
     check, moving the next batch out of Redis and parsing it are the
     flusher's own work. With two lanes one does the latter while the other's
-    statement runs. The apply transactions take turns (``turn``): the
-    database sees what one flusher always did, one statement at a time, and
-    the exactly-once argument is unchanged (each shard under its own lease,
-    one lane per shard).
+    statement runs. The lanes take turns (``turn``) for a batch's statements,
+    from its BEGIN to its batch UPDATE: the database runs one flush
+    statement at a time, as one flusher always did, except that a batch's
+    COMMIT runs beside the next lane's statements. The lanes' shards are
+    disjoint, so their transactions touch disjoint rows (counter rows,
+    ledger rows, their shards' epoch rows), and the exactly-once argument
+    is unchanged (each shard under its own lease, one lane per shard).
 
     Each lane takes the next shard of ``order`` when it finishes one, so a
     shard with a backlog does not hold the others up. The calling thread is

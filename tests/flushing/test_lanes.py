@@ -1,4 +1,4 @@
-"""A flush drains shards in lanes: threads of their own, one apply transaction at a time."""
+"""A flush drains shards in lanes: threads of their own, one batch's statements at a time."""
 
 from __future__ import annotations
 
@@ -26,22 +26,23 @@ pytestmark = [
 
 
 class ApplySpy:
-    """Wraps ``apply_batch``: the threads it ran in, and the most that ran at once."""
+    """Wraps a batch's statement (``apply_deltas`` in ``apply_batch``): the threads it ran in,
+    and the most that ran at once."""
 
     def __init__(self) -> None:
-        self.real = flusher.apply_batch
+        self.real = flusher.apply_deltas
         self.lock = threading.Lock()
         self.threads: set[str] = set()
         self.running = self.most = 0
         self.batches = 0
 
-    def __call__(self, batch, using, result):
+    def __call__(self, deltas, using):
         with self.lock:
             self.threads.add(threading.current_thread().name)
             self.running += 1
             self.most = max(self.most, self.running)
         try:
-            self.real(batch, using, result)
+            return self.real(deltas, using)
         finally:
             with self.lock:
                 self.running -= 1
@@ -70,10 +71,10 @@ def spread(make_user):
 def test_two_lanes_drain_every_shard_exactly_one_apply_at_a_time(spread, settings):
     settings.COUNTERS_FLUSH_LANES = 2
     spy = ApplySpy()
-    with mock.patch.object(flusher, "apply_batch", spy):
+    with mock.patch.object(flusher, "apply_deltas", spy):
         result = counters.flush()
     assert spy.threads == {threading.current_thread().name, "counters-flush-lane-1"}
-    assert spy.most == 1, "the lanes' apply transactions must take turns"
+    assert spy.most == 1, "the lanes' batch statements must take turns"
     shards = {get_buffer().shard_of(f"unread:{u.pk}") for u in spread}
     assert result.batches == spy.batches == len(shards)
     assert result.keys == len(spread)
@@ -84,6 +85,75 @@ def test_two_lanes_drain_every_shard_exactly_one_apply_at_a_time(spread, setting
         == [i % 4 + 1 for i in range(len(spread))]
     )
     assert get_buffer().inflight_ids() == {}
+
+
+@pytest.mark.usefixtures("laned")
+def test_a_batch_holds_the_turn_for_its_statements_and_commits_after_handing_it_on(make_user):
+    """The ledger row and the batch statement run in the turn; the COMMIT beside the next."""
+    user = make_user()
+    Notification.objects.create(recipient=user, verb="v")
+    Notification.objects.create(recipient=user, verb="v")
+    buffer = get_buffer()
+    shard = buffer.shard_of(f"unread:{user.pk}")
+    batch = buffer.move(shard, flusher.new_batch_id(), 100)
+    assert batch is not None and batch.items == {f"unread:{user.pk}": 2}
+    turn = threading.Lock()
+    seen: dict[str, bool] = {}
+    real_record, real_apply = flusher.ledger.record_batch, flusher.apply_deltas
+    conn = connections["default"]
+    real_commit = conn.commit
+
+    def record(batch, using):
+        seen["ledger"] = turn.locked()
+        return real_record(batch, using)
+
+    def apply(deltas, using):
+        seen["statement"] = turn.locked()
+        return real_apply(deltas, using)
+
+    def commit():
+        seen["commit"] = turn.locked()
+        return real_commit()
+
+    result = flusher.FlushResult()
+    with (
+        mock.patch.object(flusher.ledger, "record_batch", record),
+        mock.patch.object(flusher, "apply_deltas", apply),
+        mock.patch.object(conn, "commit", commit),
+        flusher.taking_turns(turn),
+    ):
+        flusher.apply_batch(batch, "default", result)
+    assert seen == {"ledger": True, "statement": True, "commit": False}
+    assert not turn.locked()
+    assert (result.batches, result.keys) == (1, 1)
+    assert FlushBatch.objects.filter(pk=batch.batch_id).exists()
+    assert stored(user) == truth(user) == 2
+    assert buffer.ack(shard, batch.batch_id)
+
+
+@pytest.mark.usefixtures("laned")
+def test_a_batch_that_fails_in_its_turn_hands_it_on(make_user):
+    user = make_user()
+    Notification.objects.create(recipient=user, verb="v")
+    buffer = get_buffer()
+    shard = buffer.shard_of(f"unread:{user.pk}")
+    batch = buffer.move(shard, flusher.new_batch_id(), 100)
+    turn = threading.Lock()
+
+    def fail(deltas, using):
+        raise RuntimeError("the statement failed")
+
+    with (
+        mock.patch.object(flusher, "apply_deltas", fail),
+        flusher.taking_turns(turn),
+        pytest.raises(RuntimeError, match="the statement failed"),
+    ):
+        flusher.apply_batch(batch, "default", flusher.FlushResult())
+    assert not turn.locked()
+    assert not FlushBatch.objects.filter(pk=batch.batch_id).exists()
+    assert stored(user) == 0
+    assert counters.flush().recovered == 1
+    assert stored(user) == truth(user) == 1
 
 
 def test_a_lane_closes_its_database_connection(spread, settings):
@@ -122,7 +192,7 @@ def test_a_lane_closes_its_database_connection(spread, settings):
 def test_the_number_of_lanes_is_the_setting(spread, settings, lanes):
     settings.COUNTERS_FLUSH_LANES = lanes
     spy = ApplySpy()
-    with mock.patch.object(flusher, "apply_batch", spy):
+    with mock.patch.object(flusher, "apply_deltas", spy):
         counters.flush()
     if connection.vendor == "sqlite":
         assert spy.threads == {threading.current_thread().name}
@@ -142,7 +212,7 @@ def test_a_flush_inside_a_transaction_stays_in_its_thread(spread, settings):
     """The lanes' own connections would not see the rows of the caller's transaction."""
     settings.COUNTERS_FLUSH_LANES = 2
     spy = ApplySpy()
-    with mock.patch.object(flusher, "apply_batch", spy), transaction.atomic():
+    with mock.patch.object(flusher, "apply_deltas", spy), transaction.atomic():
         Notification.objects.create(recipient=spread[0], verb="v")
         counters.flush()  # the new one is pushed at COMMIT: not in this flush
     assert spy.threads == {threading.current_thread().name}
