@@ -40,7 +40,6 @@ from counters.base.utils import concrete_model, target_field
 from counters.tracking.follow import with_related
 from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
 from counters.tracking.trackers import (
-    InsertPlan,
     insert_plan,
     touches,
     tracked_attnames,
@@ -178,8 +177,17 @@ def counted_write(
     may_update = pk is not None and _may_update(obj, model, force_insert)
     if not may_update:
         plan = insert_plan(model)
-        if plan is not None and not plan.has_expression(obj.__dict__):
-            return _insert_and_count(obj, model, write, using, plan)
+        values = obj.__dict__
+        if plan is not None and not plan.has_expression(values):
+            # Nothing to lock or read: its values are plain (no expression), and no tracker
+            # reads related rows. Counted by ``plan`` from the values Django wrote.
+            updated = write()  # False: Django inserted the row
+            members = plan.members(values)
+            if members is None:  # a value to convert, or one the database decided
+                count(model, [], [_new_row(obj, model, using, None, None)], using)
+            else:
+                add_made(members, using)
+            return updated
     if before is not None and before["model"] is model and may_update:
         # a multi-table child whose parents' tables are written already: count from the
         # row read before them (still locked, in the save's transaction)
@@ -194,26 +202,6 @@ def counted_write(
         with transaction.atomic(using=using):
             return _write_and_count(obj, model, write, using, update_fields, may_update)
     return _write_and_count(obj, model, write, using, update_fields, may_update)
-
-
-def _insert_and_count(
-    obj: models.Model,
-    model: type[models.Model],
-    write: Callable[[], bool],
-    using: str,
-    plan: InsertPlan,
-) -> bool:
-    """Insert the row of ``obj`` (``write``) and count it by ``plan``: nothing to lock or read.
-
-    Its values are plain (no expression), and no tracker reads related rows.
-    """
-    updated = write()  # False: Django inserted the row
-    members = plan.members(obj.__dict__)
-    if members is None:  # a value to convert, or one the database decided
-        count(model, [], [_new_row(obj, model, using, None, None)], using)
-    else:
-        add_made(members, using)
-    return updated
 
 
 def _write_and_count(

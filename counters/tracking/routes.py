@@ -195,7 +195,12 @@ def _counted_save_table(original: Method, model: type[models.Model]) -> Method:
         def write_row() -> bool:
             return original(self, raw, cls, force_insert, force_update, using, update_fields)
 
-        if cls is not model or raw or is_paused() or concrete_model(type(self)) is not model:
+        if (
+            cls is not model
+            or raw
+            or is_paused()
+            or (type(self) is not model and concrete_model(type(self)) is not model)
+        ):
             return write_row()  # another table (a parent's, a child's), or not counted
         if not trackers_for(cls) or (update_fields is not None and not touches(cls, update_fields)):
             return write_row()
