@@ -21,12 +21,14 @@ from counters.base.utils import batched, column, first_line, model_field, to_str
 from counters.buffer import pushids
 from counters.buffer.cluster import ClusterClient
 from counters.buffer.keyspace import int_reply
+from counters.buffer.line import Line
 from counters.buffer.scripts import PUSH_SCRIPT
 from counters.buffer.store import PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS, Buffer
 from counters.flushing import shard
 from counters.flushing.result import FlushResult
 from counters.ops.fanout import flush_part, partition
 from counters.read.values import _read_rows as read_rows
+from counters.write import acks, delivery
 from counters.write.apply import CHUNK
 from counters.write.outbox import clear_landed
 from counters.write.transactions import unsent
@@ -42,11 +44,14 @@ __all__ = [
     "Buffer",
     "ClusterClient",
     "FlushResult",
+    "Line",
     "RedisClient",
+    "acks",
     "batched",
     "clear_landed",
     "column",
     "conf",
+    "delivery",
     "first_line",
     "flush_part",
     "int_reply",

@@ -58,17 +58,15 @@ def main() -> int:
     from django.db import connection
 
     import counters
+    from benchmarks.internals import Line, acks, delivery, pushids
     from benchmarks.writers import PushFloor, drop_floor_keys
-    from counters.buffer.line import Line
-    from counters.buffer.pushids import Writer
-    from counters.write import acks, delivery
 
     connection.ensure_connection()
     buffer = counters.get_buffer()
     floor = PushFloor(lambda uid: None)
     floor.connect()
     line = Line(buffer)
-    writer = Writer()
+    writer = pushids.Writer()
     line_acks = acks.Acks(buffer, "default")
     n = args.pushes
 
