@@ -128,3 +128,25 @@ def test_the_plans_members_are_what_each_tracker_adds_for_a_new_row(model):
         assert plan.members(row) == expected, row
         counted += bool(expected)
     assert counted == {Notification: 2, Comment: 3}[model]
+
+
+def test_a_value_not_of_its_fields_own_type_leaves_the_row_to_be_converted():
+    """:meth:`InsertPlan.members` counts from the values only when each is of its field's
+    own type (or None); any other value, or one missing, makes it None."""
+    plan = insert_plan(Notification)
+    assert plan is not None
+    assert plan.members({"recipient_id": 7, "is_read": False}) == {"unread:7": 1}
+    assert plan.members({"recipient_id": None, "is_read": False}) == {}
+    assert plan.members({"recipient_id": "7", "is_read": False}) is None  # text for a key
+    assert plan.members({"recipient_id": True, "is_read": False}) is None  # a bool for an int
+    assert plan.members({"recipient_id": 7, "is_read": 0}) is None  # an int for a bool
+    assert plan.members({"is_read": False}) is None  # deferred: not loaded
+
+
+def test_an_expression_among_the_tracked_values_is_found():
+    plan = insert_plan(Notification)
+    assert plan is not None
+    assert not plan.has_expression({"recipient_id": 7, "is_read": False})
+    assert not plan.has_expression({"recipient_id": None})  # deferred: no expression
+    assert plan.has_expression({"recipient_id": 7, "is_read": Value(True)})
+    assert not plan.has_expression({"recipient_id": 7, "is_read": False, "verb": Value("x")})
