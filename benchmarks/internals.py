@@ -3,7 +3,8 @@
 Everything else the benchmarks use goes through ``import counters`` (model
 classes through ``counters.models``, where Django puts them). What is here is
 not API: measuring the flush against a raw SQL bound, the Redis memory of push
-ids, several flusher processes on disjoint shards, or a read of another design
+ids, a push through each of its layers, several flusher processes on disjoint
+shards, or a read of another design
 (the native async read of ``async_reads.py``) means driving that part itself,
 on a buffer and prefix of the benchmark's own, with a flush that leaves the
 shared ledger alone; no public function does that, nor should. This
