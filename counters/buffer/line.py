@@ -30,6 +30,8 @@ from __future__ import annotations
 import socket
 from collections import deque
 from collections.abc import Sequence
+from itertools import islice
+from operator import attrgetter
 from typing import Any
 
 from hiredis import Reader
@@ -52,6 +54,11 @@ from counters.buffer.intake import (
 READ_SIZE = 65536
 #: Heads of the push scripts' commands kept per line (``EVALSHA``, the sha, the keys).
 HEADS_KEPT = 256
+#: No reply held (:attr:`Line._early`).
+_NONE: Any = object()
+#: The reply of a push of one shard that added its deltas, as Redis writes it.
+ADDED = b":1\r\n"
+_CALLS = attrgetter("calls")
 
 
 class Line:
@@ -90,6 +97,14 @@ class Line:
         self._heads: dict[tuple[str, ...], str] = {}
         #: The encoded commands of the pushes not written yet.
         self._out: list[bytes] = []
+        #: The reply of the oldest unread push, parsed by :meth:`receive_added` and left
+        #: for :meth:`receive` (else ``_NONE``).
+        self._early: Any = _NONE
+        #: Replies read already, all :data:`ADDED`, of the oldest unread pushes, not yet
+        #: taken (the reader holds nothing while there are).
+        self._ahead = 0
+        #: The socket is non-blocking between calls (:meth:`_open`).
+        self._nonblocking = False
 
     def send(self, plan: PushPlan, now: bool = True) -> None:
         """Write ``plan``'s scripts to the connection, after the pushes taken before, without
@@ -197,13 +212,23 @@ class Line:
         calls = plan.calls
         try:
             if len(calls) == 1:
-                reply = self._reader.gets()  # usually read already, with the replies before
-                if reply is False:
-                    reply = self._reply()
+                if self._ahead:
+                    self._ahead -= 1
+                    return plan, [1]
+                reply = self._early
+                if reply is _NONE:
+                    reply = self._reader.gets()  # usually read already, with those before
+                    if reply is False:
+                        reply = self._reply()
+                else:
+                    self._early = _NONE
                 if type(reply) is int:  # a one-shard push's code
                     return plan, [reply]
                 replies = [reply]
             else:
+                if self._ahead:  # theirs: parsed with the rest
+                    self._reader.feed(ADDED * self._ahead)
+                    self._ahead = 0
                 replies = [self._reply() for _ in calls]
         except BaseException as exc:
             self._break()
@@ -217,6 +242,64 @@ class Line:
             if isinstance(reply, ResponseError):
                 raise reply
         return plan, replies
+
+    def receive_added(self, most: int) -> int:
+        """Take the oldest unread pushes off the line, up to ``most``, while each one is a
+        push of one shard answered 1 (it added its deltas); how many were taken.
+
+        What :meth:`receive` would return as ``[1]`` for each, without
+        waiting: it stops at a push of several shards, a push not written
+        yet, a reply not arrived, any other reply (kept for :meth:`receive`),
+        or a failure of the connection (which :meth:`receive` then meets).
+        """
+        unread, reader = self.unread, self._reader
+        most = min(most, len(unread) - self.queued)
+        if most <= 0 or self._early is not _NONE:
+            return 0
+        ahead = self._ahead
+        if not ahead and not reader.has_data():
+            data = self._arrived()
+            if not data:
+                return 0
+            count, odd = divmod(len(data), len(ADDED))
+            if count and not odd and data == ADDED * count:
+                ahead = count  # the usual case: taken without parsing each reply
+            else:
+                reader.feed(data)
+        if ahead:
+            taken = min(ahead, most)
+            if max(map(len, map(_CALLS, islice(unread, taken)))) == 1:
+                self._ahead = ahead - taken
+                deque(islice(iter(unread.popleft, None), taken), maxlen=0)  # popped
+                return taken
+            self._ahead = 0  # a push of several shards among them: parse the replies
+            reader.feed(ADDED * ahead)  # (the reader holds nothing while some are ahead)
+        taken = 0
+        while taken < most and len(unread[0].calls) == 1:
+            reply = reader.gets()
+            if reply is False:
+                data = self._arrived()
+                if not data:
+                    break
+                reader.feed(data)
+                continue
+            if type(reply) is not int or reply != 1:
+                self._early = reply
+                break
+            unread.popleft()
+            taken += 1
+        return taken
+
+    def _arrived(self) -> bytes:
+        """What has arrived on the socket, read without waiting; b"" if nothing was read
+        (none arrived, the socket blocks, or it failed: :meth:`receive` meets that)."""
+        sock = self._sock
+        if sock is None or not self._nonblocking:
+            return b""
+        try:
+            return sock.recv(READ_SIZE)
+        except OSError:  # not arrived yet (BlockingIOError), or the connection failed
+            return b""
 
     def _reply(self) -> Any:
         reader, sock = self._reader, self._sock
@@ -257,6 +340,8 @@ class Line:
         if sock is None:  # pragma: no cover - connect() raises instead
             raise RedisConnectionError("no socket after connect")
         self._reader = Reader(replyError=ResponseError)
+        self._early = _NONE
+        self._ahead = 0
         if type(sock) is socket.socket:
             # Non-blocking between writes: a socket with a timeout polls before each send
             # and receive, a system call the line saves while the buffers have room or
@@ -264,8 +349,10 @@ class Line:
             self._timeout = sock.gettimeout()
             sock.settimeout(0.0)
             self._write_all = self._sendall
+            self._nonblocking = True
         else:  # TLS: as redis-py uses it
             self._write_all = _blocking_sendall
+            self._nonblocking = False
         self._sock = sock
         return sock
 
@@ -273,6 +360,8 @@ class Line:
         """The pushes written and never answered, taken off the line (it was closed)."""
         plans = list(self.unread)
         self.unread.clear()
+        self._early = _NONE
+        self._ahead = 0
         self._out.clear()
         self.queued = 0
         self.broken = False

@@ -8,8 +8,9 @@ import threading
 import time
 
 import pytest
+import redis
 from hiredis import Reader, pack_command
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from counters.buffer.line import HEADS_KEPT, Line
 from counters.buffer.pushids import PushId
@@ -147,6 +148,7 @@ def pair(line):
     ours, peer = socket.socketpair()
     ours.settimeout(0.0)
     line._sock, line._timeout, line._reader = ours, 0.5, Reader(replyError=ResponseError)
+    line._nonblocking = True
     yield ours, peer
     line._sock = None
     ours.close()
@@ -192,3 +194,103 @@ def test_a_reply_not_arrived_yet_is_waited_for_up_to_the_timeout(line, pair):
     with pytest.raises(TimeoutError):
         line._reply()  # nothing comes
     assert time.monotonic() - started >= 0.4
+
+
+def written(line: Line, buffer: Buffer, pushes: list[tuple[dict[str, int], int]]) -> None:
+    """Write ``pushes`` ((deltas, seq) of one writer) on ``line``, then wait until the
+    replies have all arrived on its socket (each reply of these is 4 bytes or more)."""
+    calls = 0
+    for deltas, seq in pushes:
+        plan = buffer.plan_push(deltas, PushId("w-" + "d" * 16, seq))
+        calls += len(plan.calls)
+        line.send(plan, now=False)
+    line.write()
+    sock = line._sock
+    assert sock is not None
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            if len(sock.recv(1 << 16, socket.MSG_PEEK)) >= 4 * calls:
+                return
+        except BlockingIOError:
+            pass
+        assert time.monotonic() < deadline, "the replies never arrived"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def real_buffer(redis_client, counters_prefix) -> Buffer:
+    buffer = Buffer(redis_client, counters_prefix, shards=4)
+    redis_client.script_load(buffer._push.script)
+    return buffer
+
+
+def test_replies_of_added_pushes_are_taken_together_and_the_rest_left_for_receive(real_buffer):
+    buffer = real_buffer
+    line = Line(buffer)
+    try:
+        written(line, buffer, [({f"m:{i}": 1}, i) for i in range(1, 6)])
+        assert line.receive_added(3) == 3  # three taken, two replies kept ahead
+        assert len(line.unread) == 2 and line._ahead == 2
+        assert line.receive()[1] == [1]  # one of those kept
+        assert line.receive_added(10) == 1 and not line.unread
+        assert line.receive_added(10) == 0  # nothing unread: nothing read
+        # a repeat (refused: 0) stops the run; receive() returns its reply
+        written(line, buffer, [({"m:5": 1}, 5), ({"m:2": 1}, 6), ({"m:3": 1}, 7)])
+        assert line.receive_added(3) == 0
+        assert line.receive()[1] == [0]
+        assert line.receive_added(3) == 2 and not line.unread
+        pending = buffer.snapshot(["m:5", "m:2", "m:3"]).pending
+        assert pending == {"m:5": 1, "m:2": 2, "m:3": 2}
+    finally:
+        line.close()
+
+
+def test_a_push_of_several_shards_among_them_is_read_by_receive(real_buffer):
+    buffer = real_buffer
+    line = Line(buffer)
+    several = {f"m:{i}": 1 for i in range(8)}
+    assert len(buffer.plan_push(several, PushId("w-" + "d" * 16, 2)).calls) > 1
+    try:
+        written(line, buffer, [({"a:1": 1}, 1), (several, 2), ({"a:2": 1}, 3)])
+        assert line.receive_added(3) == 1  # the push of several shards stops it
+        plan, replies = line.receive()
+        assert plan.deltas == several and replies == [1] * len(plan.calls)
+        assert line.receive_added(3) == 1 and not line.unread
+        assert buffer.snapshot(["a:1", "a:2", "m:0"]).pending == {"a:1": 1, "a:2": 1, "m:0": 1}
+    finally:
+        line.close()
+
+
+def test_an_error_reply_stops_the_run_and_receive_raises_it(own_redis, counters_prefix):
+    client = redis.Redis.from_url(own_redis.url, socket_timeout=5)
+    buffer = Buffer(client, counters_prefix, shards=4)
+    client.script_load(buffer._push.script)
+    line = Line(buffer)
+    try:
+        written(line, buffer, [({"b:1": 1}, 1)])
+        assert line.receive_added(1) == 1
+        client.script_flush()  # the next pushes find no script
+        written(line, buffer, [({"b:2": 1}, 2), ({"b:3": 1}, 3)])
+        assert line.receive_added(2) == 0
+        with pytest.raises(NoScriptError):
+            line.receive()
+        assert line.receive_added(1) == 0  # the next reply is an error too
+        with pytest.raises(NoScriptError):
+            line.receive()
+        assert not line.unread and not line.broken
+        assert buffer.snapshot(["b:1", "b:2", "b:3"]).pending == {"b:1": 1, "b:2": 0, "b:3": 0}
+    finally:
+        line.close()
+        client.close()
+
+
+def test_a_reply_not_arrived_is_not_waited_for(line, buffer, pair):
+    _, peer = pair
+    line.unread.extend(buffer.plan_push({"m:1": 1}, PushId("w-" + "f" * 16, i)) for i in (1, 2))
+    assert line.receive_added(2) == 0  # nothing arrived: nothing read, nothing waited for
+    peer.sendall(b":1\r\n:")  # the first reply and part of the second
+    assert line.receive_added(2) == 1 and len(line.unread) == 1
+    assert line.receive_added(2) == 0
+    peer.sendall(b"1\r\n")
+    assert line.receive_added(2) == 1 and not line.unread
