@@ -6,8 +6,10 @@ takes the push's scripts (:meth:`Line.send`) and writes them to a connection
 of its own with the pushes handed to it before, in one system call
 (:meth:`Line.write`); the replies are read later (:meth:`Line.receive`),
 oldest first, by which time they have usually arrived, so reading them does
-not sleep. One write of many pushes also costs Redis one read of its socket
-for all of them, where a write per push costs it one each.
+not sleep. The usual replies, each push of one shard added (``:1``), are
+taken in one call once they have arrived (:meth:`Line.receive_added`). One
+write of many pushes also costs Redis one read of its socket for all of
+them, where a write per push costs it one each.
 
 Redis runs the commands of one connection in the order they were written,
 so pushes on a line apply in order, each under its own push id
@@ -30,8 +32,6 @@ from __future__ import annotations
 import socket
 from collections import deque
 from collections.abc import Sequence
-from itertools import islice
-from operator import attrgetter
 from typing import Any
 
 from hiredis import Reader
@@ -56,9 +56,6 @@ READ_SIZE = 65536
 HEADS_KEPT = 256
 #: No reply held (:attr:`Line._early`).
 _NONE: Any = object()
-#: The reply of a push of one shard that added its deltas, as Redis writes it.
-ADDED = b":1\r\n"
-_CALLS = attrgetter("calls")
 
 
 class Line:
@@ -100,9 +97,6 @@ class Line:
         #: The reply of the oldest unread push, parsed by :meth:`receive_added` and left
         #: for :meth:`receive` (else ``_NONE``).
         self._early: Any = _NONE
-        #: Replies read already, all :data:`ADDED`, of the oldest unread pushes, not yet
-        #: taken (the reader holds nothing while there are).
-        self._ahead = 0
         #: The socket is non-blocking between calls (:meth:`_open`).
         self._nonblocking = False
 
@@ -212,9 +206,6 @@ class Line:
         calls = plan.calls
         try:
             if len(calls) == 1:
-                if self._ahead:
-                    self._ahead -= 1
-                    return plan, [1]
                 reply = self._early
                 if reply is _NONE:
                     reply = self._reader.gets()  # usually read already, with those before
@@ -226,9 +217,6 @@ class Line:
                     return plan, [reply]
                 replies = [reply]
             else:
-                if self._ahead:  # theirs: parsed with the rest
-                    self._reader.feed(ADDED * self._ahead)
-                    self._ahead = 0
                 replies = [self._reply() for _ in calls]
         except BaseException as exc:
             self._break()
@@ -256,29 +244,15 @@ class Line:
         most = min(most, len(unread) - self.queued)
         if most <= 0 or self._early is not _NONE:
             return 0
-        ahead = self._ahead
-        if not ahead and not reader.has_data():
-            data = self._arrived()
-            if not data:
-                return 0
-            count, odd = divmod(len(data), len(ADDED))
-            if count and not odd and data == ADDED * count:
-                ahead = count  # the usual case: taken without parsing each reply
-            else:
-                reader.feed(data)
-        if ahead:
-            taken = min(ahead, most)
-            if max(map(len, map(_CALLS, islice(unread, taken)))) == 1:
-                self._ahead = ahead - taken
-                deque(islice(iter(unread.popleft, None), taken), maxlen=0)  # popped
-                return taken
-            self._ahead = 0  # a push of several shards among them: parse the replies
-            reader.feed(ADDED * ahead)  # (the reader holds nothing while some are ahead)
         taken = 0
+        read = False
         while taken < most and len(unread[0].calls) == 1:
             reply = reader.gets()
             if reply is False:
-                data = self._arrived()
+                if read:  # the rest have not all arrived: receive() waits for them
+                    break
+                data = self._arrived()  # once: what has arrived by now, not waited for
+                read = True
                 if not data:
                     break
                 reader.feed(data)
@@ -341,7 +315,6 @@ class Line:
             raise RedisConnectionError("no socket after connect")
         self._reader = Reader(replyError=ResponseError)
         self._early = _NONE
-        self._ahead = 0
         if type(sock) is socket.socket:
             # Non-blocking between writes: a socket with a timeout polls before each send
             # and receive, a system call the line saves while the buffers have room or
@@ -361,7 +334,6 @@ class Line:
         plans = list(self.unread)
         self.unread.clear()
         self._early = _NONE
-        self._ahead = 0
         self._out.clear()
         self.queued = 0
         self.broken = False

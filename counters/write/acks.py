@@ -46,8 +46,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from itertools import islice
-from operator import attrgetter
 
 from django.db import connections
 from redis import Redis
@@ -72,7 +70,6 @@ MAX_WAITING = 16
 COMPLETE_TIMEOUT = 30.0
 #: The replies of a push of one shard that added its deltas.
 _ADDED = [1]
-_WRITER = attrgetter("writer")
 
 #: ``complete(deltas, using, push_id, error)``: finish a push that failed with ``error``
 #: (:func:`counters.write.delivery.complete`); it ends ``push_id``.
@@ -220,20 +217,20 @@ class Acks:
     def _settle(self, keep: int, older_than: float | None = None) -> list[Failed]:
         failed: list[Failed] = []
         waiting, line, writers = self.waiting, self.line, self.writers
+        if older_than is None and len(waiting) > keep:
+            # The usual replies, arrived by now: each push of one shard added. Taken in one
+            # pass; the rest (another reply, or one not arrived yet) are read one by one.
+            wanted = len(waiting) - keep
+            taken = line.receive_added(wanted)
+            for _ in range(taken):
+                push = waiting.popleft()
+                if push.writer is not None:
+                    writers.append(push.writer)
+                else:
+                    pushids.release(push.push_id)
+            if taken == wanted:
+                return failed
         while len(waiting) > keep:
-            if older_than is None:
-                # The usual replies, arrived by now: each push of one shard added. Read in one
-                # pass; the first other reply (or none yet) is read as below.
-                taken = line.receive_added(len(waiting) - keep)
-                if taken:
-                    answered = list(islice(iter(waiting.popleft, None), taken))
-                    before = len(writers)
-                    writers.extend(filter(None, map(_WRITER, answered)))
-                    if len(writers) - before < taken:  # some ids were the pool's
-                        for push in answered:
-                            if push.writer is None:
-                                pushids.release(push.push_id)
-                    continue
             push = waiting[0]
             if older_than is not None and push.sent_at > older_than:
                 break
