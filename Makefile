@@ -47,13 +47,17 @@ NO_BUFFER := --ignore=tests/buffer
 # beside its trigger), and, left to the PostgreSQL run, the serial tests whose subject is Redis
 # or the processes, not the database (layout changes, Redis back in time, the sender,
 # gunicorn's production settings), the related-key chaos (the unread chaos runs here), the
-# API's schema fuzzing and the walk after a FLUSHALL; to keep CI within 45 minutes.
+# walk after a FLUSHALL, and the tests whose database is not their subject: the operator's
+# tools (tests/ops: metrics, status, fan-out), the project's own checks (tests/project: docs,
+# settings, the wheel) and the web front (tests/web: the inbox, the API and its schema
+# fuzzing, the admin, all through the ORM paths tests/tracking runs here); to keep CI within
+# 45 minutes.
 MARIADB_SKIP := $(NO_BUFFER) --ignore=tests/e2e --ignore=tests/web/test_browser.py \
 	--ignore=tests/bench --ignore=tests/flushing/test_layout_change.py \
 	--ignore=tests/flushing/test_time_travel.py --ignore=tests/write/test_sender.py \
 	--ignore=tests/web/test_production.py --ignore=tests/chaos/test_related_chaos.py \
-	--ignore=tests/web/test_schema.py --deselect $(FLUSHALL_WALK)
-# Examples each of the two state machines runs on MariaDB (100 on PostgreSQL).
+	--deselect $(FLUSHALL_WALK) --ignore=tests/ops --ignore=tests/project --ignore=tests/web
+# Examples each of the two state machines runs on MariaDB (50 on PostgreSQL, 100 on SQLite).
 MARIADB_STATEFUL_EXAMPLES ?= 50
 # What the PostgreSQL run leaves to the SQLite run: the browser, which drives the same inbox,
 # and the end-to-end tests whose database is not their subject (Celery beat and worker on
@@ -61,9 +65,12 @@ MARIADB_STATEFUL_EXAMPLES ?= 50
 # beat and workers runs here too.
 POSTGRES_SKIP := --ignore=tests/web/test_browser.py --ignore=tests/e2e/test_celery_beat.py \
 	--ignore=tests/e2e/test_metrics_servers.py --ignore=tests/e2e/test_sender_celery.py
+# What the SQLite run leaves to the PostgreSQL run: the Redis side, and the API's schema
+# fuzzing (the same views on either database).
+SQLITE_SKIP := $(NO_BUFFER) --ignore=tests/web/test_schema.py
 # Examples each of the two state machines runs on PostgreSQL (a plain `pytest` runs 200 and
 # 100), and on SQLite.
-POSTGRES_STATEFUL_EXAMPLES ?= 100
+POSTGRES_STATEFUL_EXAMPLES ?= 50
 SQLITE_STATEFUL_EXAMPLES ?= 100
 # Every test target compiles the project first: with PYTHONDONTWRITEBYTECODE set, each
 # process the suite starts (manage.py, writers, workers) would compile it from source again.
@@ -118,7 +125,7 @@ test-sqlite: install-test
 	$(BIN)/python $(COMPILE)
 	$(BIN)/python scripts/ensure_redis.py
 	$(call pytest_passes,TALLY_STATEFUL_EXAMPLES=$(SQLITE_STATEFUL_EXAMPLES) $(BIN)/pytest \
-		$(NO_BUFFER),$(NO_CLUSTER),$(SQLITE_SERIAL))
+		$(SQLITE_SKIP),$(NO_CLUSTER),$(SQLITE_SERIAL))
 
 test-postgres: install-test
 	$(BIN)/python $(COMPILE)
@@ -154,14 +161,17 @@ $(VENV_DJANGO60)/.installed-test: pyproject.toml
 # pass (processes killed and timed; the chaos, e2e and benchmark folders stay out). Also left
 # to the Django 5.2 runs: the 100,000-recipient fan-out (this process's memory, as for Valkey);
 # the flush's and the audit's own tests (tests/flushing, tests/verify: every other test still
-# flushes and compares the rows with the truth on Django 6.0) and the schema fuzzing; the two
-# state machines run DJANGO60_STATEFUL_EXAMPLES examples each (100 on PostgreSQL).
+# flushes and compares the rows with the truth on Django 6.0), the schema fuzzing, and the
+# tests whose subject is not Django's ORM, views or admin (tests/base: keys and the registry;
+# tests/ops: the operator's tools; tests/project: docs and settings); the two state machines
+# run DJANGO60_STATEFUL_EXAMPLES examples each (50 on PostgreSQL, 100 on SQLite).
 DJANGO60_DATABASES ?= postgres
 DJANGO60_SERIAL ?=
 DJANGO60_STATEFUL_EXAMPLES ?= 50
 PYTEST_DJANGO60 = TALLY_STATEFUL_EXAMPLES=$(DJANGO60_STATEFUL_EXAMPLES) \
 	$(VENV_DJANGO60)/bin/pytest $(NO_BUFFER) --ignore=tests/chaos --ignore=tests/e2e --ignore=tests/bench \
 	--ignore=tests/flushing --ignore=tests/verify --ignore=tests/web/test_schema.py \
+	--ignore=tests/base --ignore=tests/ops --ignore=tests/project \
 	--deselect tests/write/test_requests_and_fanout.py::test_notify_100k_recipients_with_bounded_memory
 define django60_passes
 $(1) $(XDIST) -m "not serial $(NO_CLUSTER)" $(PYTEST_ARGS) || [ $$? -eq 5 ]

@@ -142,7 +142,7 @@ class UnreadCounting(RuleBasedStateMachine):
         assert [counts[u.pk] for u in self.users] == [truth(u) for u in self.users]
 
 
-# 200 examples of 12 steps (a plain `pytest`; `make test-postgres` runs 100) take two to three
+# 200 examples of 12 steps (a plain `pytest`; `make test-postgres` runs 50) take two to three
 # minutes on PostgreSQL on 2 CPUs, and up to three times that when the machine is busy: more
 # than the suite's default timeout of 300 s.
 @pytest.mark.timeout(900)
