@@ -62,7 +62,7 @@ MARIADB_STATEFUL_EXAMPLES ?= 50
 # What the PostgreSQL run leaves to the SQLite run: the browser, which drives the same inbox,
 # and the end-to-end tests whose database is not their subject (Celery beat and worker on
 # their own, the metrics servers, the sender in Celery's children); the parallel flush by
-# beat and workers runs here too.
+# beat and workers runs here.
 POSTGRES_SKIP := --ignore=tests/web/test_browser.py --ignore=tests/e2e/test_celery_beat.py \
 	--ignore=tests/e2e/test_metrics_servers.py --ignore=tests/e2e/test_sender_celery.py
 # What the SQLite run leaves to the PostgreSQL run: the Redis side, and the API's schema
@@ -78,9 +78,11 @@ COMPILE = -m compileall -q counters notifications config tests scripts
 
 # The serial tests of the SQLite run: the embedded stack a new project starts with (Celery
 # worker and beat, gunicorn, the browser, the installed wheel). The other serial tests (kills,
-# failovers, rebuilds beside writers) run on the production databases, PostgreSQL and MariaDB;
-# `make test-sqlite SQLITE_SERIAL=` runs them all on SQLite too.
-SQLITE_SERIAL ?= tests/e2e tests/web/test_browser.py tests/project
+# failovers, rebuilds beside writers, the parallel flush by beat and workers) run on the
+# production databases, PostgreSQL and MariaDB; `make test-sqlite SQLITE_SERIAL=` runs them
+# all on SQLite too.
+SQLITE_SERIAL ?= tests/e2e/test_celery_beat.py tests/e2e/test_metrics_servers.py \
+	tests/e2e/test_sender_celery.py tests/web/test_browser.py tests/project
 
 # Each run is two passes: the parallel one, then the tests marked `serial` (they start
 # processes, kill them or time things) in one process, so no timing competes with other tests.
