@@ -52,10 +52,9 @@ NO_BUFFER := --ignore=tests/buffer
 # settings, the wheel) and the web front (tests/web: the inbox, the API and its schema
 # fuzzing, the admin, all through the ORM paths tests/tracking runs here); to keep CI within
 # 45 minutes.
-MARIADB_SKIP := $(NO_BUFFER) --ignore=tests/e2e --ignore=tests/web/test_browser.py \
-	--ignore=tests/bench --ignore=tests/flushing/test_layout_change.py \
-	--ignore=tests/flushing/test_time_travel.py --ignore=tests/write/test_sender.py \
-	--ignore=tests/web/test_production.py --ignore=tests/chaos/test_related_chaos.py \
+MARIADB_SKIP := $(NO_BUFFER) --ignore=tests/e2e --ignore=tests/bench \
+	--ignore=tests/flushing/test_layout_change.py --ignore=tests/flushing/test_time_travel.py \
+	--ignore=tests/write/test_sender.py --ignore=tests/chaos/test_related_chaos.py \
 	--deselect $(FLUSHALL_WALK) --ignore=tests/ops --ignore=tests/project --ignore=tests/web
 # Examples each of the two state machines runs on MariaDB (50 on PostgreSQL, 100 on SQLite).
 MARIADB_STATEFUL_EXAMPLES ?= 50

@@ -97,8 +97,6 @@ class Line:
         #: The reply of the oldest unread push, parsed by :meth:`receive_added` and left
         #: for :meth:`receive` (else ``_NONE``).
         self._early: Any = _NONE
-        #: The socket is non-blocking between calls (:meth:`_open`).
-        self._nonblocking = False
 
     def send(self, plan: PushPlan, now: bool = True) -> None:
         """Write ``plan``'s scripts to the connection, after the pushes taken before, without
@@ -268,7 +266,7 @@ class Line:
         """What has arrived on the socket, read without waiting; b"" if nothing was read
         (none arrived, the socket blocks, or it failed: :meth:`receive` meets that)."""
         sock = self._sock
-        if sock is None or not self._nonblocking:
+        if sock is None or self._write_all is _blocking_sendall:  # none, or TLS: it would wait
             return b""
         try:
             return sock.recv(READ_SIZE)
@@ -322,10 +320,8 @@ class Line:
             self._timeout = sock.gettimeout()
             sock.settimeout(0.0)
             self._write_all = self._sendall
-            self._nonblocking = True
         else:  # TLS: as redis-py uses it
             self._write_all = _blocking_sendall
-            self._nonblocking = False
         self._sock = sock
         return sock
 

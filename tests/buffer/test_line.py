@@ -148,7 +148,7 @@ def pair(line):
     ours, peer = socket.socketpair()
     ours.settimeout(0.0)
     line._sock, line._timeout, line._reader = ours, 0.5, Reader(replyError=ResponseError)
-    line._nonblocking = True
+    line._write_all = line._sendall
     yield ours, peer
     line._sock = None
     ours.close()
