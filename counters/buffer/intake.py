@@ -105,6 +105,30 @@ class Intake(Keyspace):
         ]
         return PushPlan(push_id, deltas, groups, refused, calls)
 
+    def wire_one(self, member: str, delta: int, writer: str, seq: int) -> bytes | None:
+        """The command of a push of ``{member: delta}`` by ``writer`` under sequence number
+        ``seq``, sent now, encoded for Redis: what :meth:`plan_push` puts in its plan's
+        :attr:`~PushPlan.wire`, without the plan. None if it must be planned instead: a
+        delta that is not a nonzero ``int`` below the score limit, a member or a key that
+        is not ASCII, or script limits other than the module's (as a test may set them).
+        """
+        if (
+            type(delta) is not int
+            or not 0 < abs(delta) < SCORE_LIMIT
+            or not member.isascii()
+            or PUSH_MAX_AGE_MS is not _AGE
+            or PUSH_MARKER_TTL_MS is not _TTL
+        ):
+            return None
+        shard = crc32(member.encode()) % self.shards
+        entry = self._push_keys_cache.get((shard, writer))
+        if entry is None:
+            entry = self._push_entry(shard, writer)
+        head = entry[1]
+        if not head:
+            return None
+        return encode_one(head, int(time.time() * 1000), seq, member, delta)
+
     def _push_keys(self, shard: int, writer: str) -> tuple[str, str, str]:
         """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since.
 
@@ -202,14 +226,28 @@ def push_head(sha: str, keys: Sequence[str]) -> str:
     return head + TTL_ENCODED
 
 
+#: ``"$<n>\r\n"``, the start of a bulk string of ``n`` bytes, for the usual lengths.
+_LENGTHS = tuple(f"${n}\r\n" for n in range(256))
+#: The last argument of a push of one member, for the usual deltas.
+_DELTAS = {delta: _bulk(delta) for delta in (1, -1)}
+
+
 def encode_one(head: str, now_ms: int, seq: int, member: str, delta: int) -> bytes:
     """The command of a push of one ``member`` of ASCII (RESP), from its ``head``
-    (:func:`push_head`): the same bytes as hiredis's ``pack_command``."""
-    b, d, f = str(now_ms), str(seq), str(delta)
+    (:func:`push_head`): the same bytes as hiredis's ``pack_command``.
+
+    The lengths and a delta of 1 or -1 are looked up: formatting an integer
+    costs more than the rest of the command.
+    """
+    b, d = str(now_ms), str(seq)  # a time in ms and a sequence number: below 256 digits
+    tail = _DELTAS.get(delta) or _bulk(delta)
+    size = len(member)
+    lengths = _LENGTHS
+    of_member = lengths[size] if size < len(lengths) else f"${size}\r\n"
     # fmt: off
     return (
-        f"{head}${len(b)}\r\n{b}\r\n{MAX_AGE_ENCODED}${len(d)}\r\n{d}\r\n"
-        f"${len(member)}\r\n{member}\r\n${len(f)}\r\n{f}\r\n"
+        f"{head}{lengths[len(b)]}{b}\r\n{MAX_AGE_ENCODED}{lengths[len(d)]}{d}\r\n"
+        f"{of_member}{member}\r\n{tail}"
     ).encode()
     # fmt: on
 

@@ -107,11 +107,15 @@ class Writer:
 
     def next_push_id(self) -> PushId:
         self.seq += 1
+        return self.push_id(self.seq)
+
+    def push_id(self, seq: int) -> PushId:
+        """The id of this writer's push number ``seq`` (at least 1)."""
         # A writer's own id and a positive count are valid: skip the checks of text (and the
         # frozen dataclass's own setattr, setting its slots directly).
         push_id = object.__new__(PushId)
         _set_writer(push_id, self.id)
-        _set_seq(push_id, self.seq)
+        _set_seq(push_id, seq)
         return push_id
 
 

@@ -103,7 +103,73 @@ class Waiting:
         self.sent_at = time.monotonic()
 
 
-Failed = tuple[Waiting, BaseException]
+class OnePush:
+    """A push of one member written to a line, waiting for its reply; its own plan.
+
+    Most pushes are one counted change of one counter. Such a push is made
+    without a :class:`~counters.buffer.pushids.PushId`, a
+    :class:`~counters.buffer.intake.PushPlan` and a :class:`Waiting`: it is
+    what :class:`Waiting` holds, and what the line reads of a plan (its
+    encoded command, and that it is one call). Its push id, its deltas and
+    its plan are made when they are needed: when its reply is not 1, or it
+    failed.
+    """
+
+    __slots__ = (
+        "buffer",
+        "complete",
+        "delta",
+        "member",
+        "sent_at",
+        "seq",
+        "using",
+        "wire",
+        "writer",
+    )
+
+    #: What the line reads of :attr:`PushPlan.calls <counters.buffer.intake.PushPlan.calls>`:
+    #: one call (its command is :attr:`wire`).
+    calls = ((),)
+
+    def __init__(
+        self,
+        buffer: Buffer,
+        wire: bytes,
+        writer: Writer,
+        seq: int,
+        member: str,
+        delta: int,
+        using: str,
+        complete: Complete,
+    ) -> None:
+        self.buffer = buffer
+        self.wire = wire
+        self.writer = writer
+        self.seq = seq
+        self.member = member
+        self.delta = delta
+        self.using = using
+        self.complete = complete
+        self.sent_at = time.monotonic()
+
+    @property
+    def push_id(self) -> PushId:
+        return self.writer.push_id(self.seq)
+
+    @property
+    def deltas(self) -> dict[str, int]:
+        return {self.member: self.delta}
+
+    @property
+    def plan(self) -> PushPlan:
+        return self.buffer.plan_push(self.deltas, self.push_id)
+
+    def check(self, replies: list) -> None:
+        """:meth:`PushPlan.check <counters.buffer.intake.PushPlan.check>` of its replies."""
+        self.plan.check(replies)
+
+
+Failed = tuple[Waiting | OnePush, BaseException]
 
 
 class Acks:
@@ -123,7 +189,7 @@ class Acks:
         self.line = Line(buffer)
         self.owner = threading.current_thread()
         self.lock = threading.Lock()
-        self.waiting: deque[Waiting] = deque()
+        self.waiting: deque[Waiting | OnePush] = deque()
         #: The line's writers with no push in flight.
         self.writers: list[Writer] = []
 
@@ -145,7 +211,25 @@ class Acks:
             if not plan.calls or plan.refused:
                 writers.append(writer)
                 return None
-            return self._write(Waiting(plan, push_id, deltas, self.using, complete, writer), batch)
+            push = Waiting(plan, push_id, deltas, self.using, complete, writer)
+            return self._write(push, plan, batch)
+
+    def push_one(
+        self, member: str, delta: int, complete: Complete, batch: int = 1
+    ) -> list[Failed] | None:
+        """:meth:`push` of ``{member: delta}`` as a :class:`OnePush`; None if it must be
+        pushed by :meth:`push` instead (:meth:`~counters.buffer.intake.Intake.wire_one`)."""
+        with self.lock:
+            writers = self.writers
+            writer = writers.pop() if writers else Writer()
+            seq = writer.seq + 1
+            wire = self.buffer.wire_one(member, delta, writer.id, seq)
+            if wire is None:
+                writers.append(writer)
+                return None
+            writer.seq = seq
+            push = OnePush(self.buffer, wire, writer, seq, member, delta, self.using, complete)
+            return self._write(push, push, batch)
 
     def send(self, push: Waiting, batch: int = 1) -> list[Failed]:
         """Hand ``push`` to the line; the failed pushes (of the replies read, if any were).
@@ -160,14 +244,14 @@ class Acks:
         :class:`~counters.base.exceptions.NotConnected` if it never left).
         """
         with self.lock:
-            return self._write(push, batch)
+            return self._write(push, push.plan, batch)
 
-    def _write(self, push: Waiting, batch: int) -> list[Failed]:
+    def _write(self, push: Waiting | OnePush, plan: PushPlan | OnePush, batch: int) -> list[Failed]:
         if batch > 1 and not getattr(_state.local, "serving", False):
-            return self._take(push, batch)
+            return self._take(push, plan, batch)
         waiting = self.waiting
         try:
-            self.line.send(push.plan)
+            self.line.send(plan)  # type: ignore[arg-type]  # a OnePush is its own plan
         except Exception as exc:
             return [*self._broken(exc), (push, exc)]
         waiting.append(push)
@@ -175,11 +259,11 @@ class Acks:
             return []
         return self._settle(keep=1)  # the replies before it, arrived by now: one read
 
-    def _take(self, push: Waiting, batch: int) -> list[Failed]:
+    def _take(self, push: Waiting | OnePush, plan: PushPlan | OnePush, batch: int) -> list[Failed]:
         """:meth:`_write` of a thread that batches its writes (``batch`` above 1)."""
         line, waiting = self.line, self.waiting
         try:
-            line.send(push.plan, now=False)
+            line.send(plan, now=False)  # type: ignore[arg-type]
         except Exception as exc:
             return [*self._broken(exc), (push, exc)]
         waiting.append(push)
@@ -338,7 +422,13 @@ def send(
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
     if push_id is None:
-        failed = _acks_of_thread(using, buffer).push(deltas, complete, batch)
+        acks = _acks_of_thread(using, buffer)
+        failed = None
+        if len(deltas) == 1:  # the usual push: one member, made as a OnePush
+            ((member, delta),) = deltas.items()
+            failed = acks.push_one(member, delta, complete, batch)
+        if failed is None:
+            failed = acks.push(deltas, complete, batch)
         if failed is None:
             return False  # never sent: the caller waits on its push
     else:
@@ -408,7 +498,7 @@ def _finish(failed: list[Failed]) -> None:
         _complete(push, exc)
 
 
-def _complete(push: Waiting, exc: BaseException) -> None:
+def _complete(push: Waiting | OnePush, exc: BaseException) -> None:
     try:
         push.complete(push.deltas, push.using, push.push_id, exc)
     except Exception:  # completes logs and never raises; the thread must live on

@@ -21,6 +21,8 @@ from django.http import HttpResponse
 from django.test import RequestFactory
 
 import counters
+from counters.base.exceptions import StalePush, UnexpectedScriptReply
+from counters.buffer.pushids import PushId
 from counters.client import get_buffer
 from counters.middleware import AcknowledgeMiddleware
 from counters.models import FlushBatch
@@ -210,6 +212,49 @@ def test_the_pushes_waiting_on_a_line_have_a_writer_each_and_answered_writers_pu
     acks.acknowledge()
     assert in_redis(alice) == truth(alice) == 6
     assert fallbacks() == 0
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_a_push_of_one_member_waits_as_its_own_plan(make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="one")
+    line = line_of_thread()
+    (push,) = line.waiting
+    assert type(push) is acks.OnePush
+    assert line.line.unread[0] is push  # the line holds it as the plan it wrote
+    member = f"unread:{alice.pk}"
+    assert push.deltas == {member: 1} and push.using == "default"
+    assert push.push_id == PushId(push.writer.id, 1) and push.writer.seq == 1
+    plan = push.plan
+    assert plan.push_id == push.push_id and plan.deltas == {member: 1}
+    assert plan.groups == {get_buffer().shard_of(member): [member, 1]}
+    push.check([1])  # added
+    push.check([0])  # a repeat: nothing to say
+    with pytest.raises(StalePush):
+        push.check([2])  # delivered too late
+    with pytest.raises(UnexpectedScriptReply):
+        push.check([7])
+    acks.acknowledge()
+    assert not line.waiting and line.writers == [push.writer]
+    assert in_redis(alice) == truth(alice) == 1
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_a_push_of_several_members_or_of_another_kind_waits_with_its_plan(make_user):
+    alice, bob = make_user(), make_user()
+    buffer = get_buffer()
+    pushes = [
+        {f"unread:{alice.pk}": 1, f"unread:{bob.pk}": 2},
+        {f"unread:{alice.pk}": 1.0},  # not an int: planned, and sent as the plan says
+    ]
+    for deltas in pushes:
+        assert acks.send(deltas, "default", buffer, acks_complete) is True
+    line = line_of_thread()
+    assert [type(push) for push in line.waiting] == [acks.Waiting, acks.Waiting]
+    assert [push.deltas for push in line.waiting] == pushes
+    acks.acknowledge()
+    assert not line.waiting
+    assert [in_redis(alice), in_redis(bob)] == [2, 2]
 
 
 @pytest.mark.usefixtures("unread_until_asked")
