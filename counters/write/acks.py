@@ -223,7 +223,11 @@ class Acks:
             writers = self.writers
             writer = writers.pop() if writers else Writer()
             seq = writer.seq + 1
-            wire = self.buffer.wire_one(member, delta, writer.id, seq)
+            try:
+                wire = self.buffer.wire_one(member, delta, writer.id, seq)
+            except BaseException:
+                writers.append(writer)  # never sent, its number never used
+                raise
             if wire is None:
                 writers.append(writer)
                 return None
