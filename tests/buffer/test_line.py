@@ -152,10 +152,8 @@ def test_heads_are_kept_per_keys_and_bounded(line):
     assert 0 < len(line._heads) <= HEADS_KEPT
 
 
-def test_pushes_taken_are_written_together_and_a_read_writes_what_it_needs(
-    redis_client, counters_prefix
-):
-    buffer = Buffer(redis_client, counters_prefix, shards=4)
+def test_pushes_taken_are_written_together_and_a_read_writes_what_it_needs(real_buffer):
+    buffer = real_buffer
     line = Line(buffer)
     plans = [buffer.plan_push({f"m:{i}": 1}, PushId("w-" + "b" * 16, i + 1)) for i in range(3)]
     try:
@@ -177,11 +175,10 @@ def test_pushes_taken_are_written_together_and_a_read_writes_what_it_needs(
         line.close()
 
 
-def test_the_line_socket_is_non_blocking_between_writes(redis_client, counters_prefix):
-    buffer = Buffer(redis_client, counters_prefix, shards=4)
-    line = Line(buffer)
+def test_the_line_socket_is_non_blocking_between_writes(redis_client, real_buffer):
+    line = Line(real_buffer)
     try:
-        line.send(buffer.plan_push({"m:1": 1}, PushId("w-" + "c" * 16, 1)))
+        line.send(real_buffer.plan_push({"m:1": 1}, PushId("w-" + "c" * 16, 1)))
         assert line._sock is not None and line._sock.gettimeout() == 0.0
         assert line._timeout == redis_client.connection_pool.connection_kwargs["socket_timeout"]
         assert line.receive()[1] == [1]  # waited for: Redis answers after the write
@@ -268,6 +265,8 @@ def written(line: Line, buffer: Buffer, pushes: list[tuple[dict[str, int], int]]
 
 @pytest.fixture
 def real_buffer(redis_client, counters_prefix) -> Buffer:
+    """A buffer on the test Redis whose push script is loaded there (a server started for
+    the run knows none until some push loads it)."""
     buffer = Buffer(redis_client, counters_prefix, shards=4)
     redis_client.script_load(buffer._push.script)
     return buffer
