@@ -36,6 +36,13 @@ and the reader waits for it.
 A web process that serves requests without the middleware waits on its
 pushes, as with ``COUNTERS_DEFER_ACKS`` off: its responses would otherwise
 leave before their pushes are acknowledged.
+
+A thread's first push of this kind keeps its route (:func:`keep_route`):
+its next pushes to that database go straight to its line
+(:func:`send_kept`), without the lookups that decided the first one (the
+settings, the buffer, its recorded layout, the line). A changed setting or a
+request served without the middleware drops every thread's route
+(:func:`forget_routes`).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
+from django.core.signals import setting_changed
 from django.db import connections
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -192,6 +200,29 @@ class Acks:
         self.waiting: deque[Waiting | OnePush] = deque()
         #: The line's writers with no push in flight.
         self.writers: list[Writer] = []
+        #: The route kept for the thread's usual pushes (:func:`keep_route`): the epoch it
+        #: holds in (-1: none), with what :func:`send` was given.
+        self.kept = -1
+        self.kept_complete: Complete | None = None
+        self.kept_batch = 1
+
+    def hand_on(self, deltas: Mapping[str, int], complete: Complete, batch: int) -> bool:
+        """:func:`send` of ``deltas`` under the next push id of a writer of the line: a
+        :class:`OnePush` for one member, else :meth:`push`. False if never sent."""
+        failed = None
+        if len(deltas) == 1:  # the usual push: one member, made as a OnePush
+            ((member, delta),) = deltas.items()
+            failed = self.push_one(member, delta, complete, batch)
+        if failed is None:
+            failed = self.push(deltas, complete, batch)
+            if failed is None:
+                return False  # never sent: the caller waits on its push
+        if failed:
+            _finish(failed)
+        state = _state
+        if state.thread is None or state.sleeping:
+            _ensure_thread()
+        return True
 
     def push(
         self, deltas: Mapping[str, int], complete: Complete, batch: int = 1
@@ -251,7 +282,7 @@ class Acks:
             return self._write(push, push.plan, batch)
 
     def _write(self, push: Waiting | OnePush, plan: PushPlan | OnePush, batch: int) -> list[Failed]:
-        if batch > 1 and not getattr(_state.local, "serving", False):
+        if batch > 1 and not _state.local.serving:
             return self._take(push, plan, batch)
         waiting = self.waiting
         try:
@@ -358,11 +389,23 @@ class Acks:
             return len(self.writers) + sum(push.writer is not None for push in self.waiting)
 
 
+class _Local(threading.local):
+    """A thread's own: its lines (database alias -> :class:`Acks`), whether it serves a
+    request."""
+
+    def __init__(self) -> None:
+        self.lines: dict[str, Acks] = {}
+        self.serving = False
+
+
 class _State:
     """This process's lines, and its acknowledging thread."""
 
     def __init__(self) -> None:
-        self.local = threading.local()
+        self.local = _Local()
+        #: A route kept in an epoch holds until the epoch moves on (:func:`keep_route`,
+        #: :func:`forget_routes`).
+        self.epoch = 0
         self.all: list[Acks] = []
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -390,6 +433,7 @@ def request_started(**kwargs: object) -> None:
     """``request_started``: a request served without the middleware waits on its pushes."""
     if not _state.middleware and not _state.unguarded:
         _state.unguarded = True
+        forget_routes()
         acknowledge()
 
 
@@ -426,28 +470,63 @@ def send(
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
     if push_id is None:
-        acks = _acks_of_thread(using, buffer)
-        failed = None
-        if len(deltas) == 1:  # the usual push: one member, made as a OnePush
-            ((member, delta),) = deltas.items()
-            failed = acks.push_one(member, delta, complete, batch)
-        if failed is None:
-            failed = acks.push(deltas, complete, batch)
-        if failed is None:
-            return False  # never sent: the caller waits on its push
-    else:
-        plan = buffer.plan_push(deltas, push_id)
-        if not plan.calls or plan.refused:
-            return False
-        failed = _acks_of_thread(using, buffer).send(
-            Waiting(plan, push_id, deltas, using, complete), batch
-        )
+        return _acks_of_thread(using, buffer).hand_on(deltas, complete, batch)
+    plan = buffer.plan_push(deltas, push_id)
+    if not plan.calls or plan.refused:
+        return False
+    failed = _acks_of_thread(using, buffer).send(
+        Waiting(plan, push_id, deltas, using, complete), batch
+    )
     if failed:
         _finish(failed)
     state = _state
     if state.thread is None or state.sleeping:
         _ensure_thread()
     return True
+
+
+def route_epoch() -> int:
+    """The epoch a route kept now holds in: read it before the checks that allow it."""
+    return _state.epoch
+
+
+def keep_route(using: str, buffer: Buffer, complete: Complete, batch: int, epoch: int) -> None:
+    """Keep this thread's route to its line of ``using``: :func:`send_kept` hands its next
+    pushes on as :func:`send` of ``buffer``, ``complete`` and ``batch`` would, without
+    what decided them.
+
+    The caller checked, since :func:`route_epoch` gave it ``epoch``, that every
+    push of the thread to ``using`` with no push id of its own takes that path:
+    the settings, the buffer of ``using`` and its recorded layout. It holds
+    until :func:`forget_routes`: a changed setting (``setting_changed``), a
+    request served without the middleware, or a caller that knows the rest
+    changed.
+    """
+    state = _state
+    if state.unguarded or not isinstance(buffer.client, Redis):
+        return
+    acks = state.local.lines.get(using)
+    if acks is not None and acks.buffer is buffer:
+        acks.kept_complete = complete
+        acks.kept_batch = batch
+        acks.kept = epoch
+
+
+def forget_routes(**kwargs: object) -> None:
+    """Drop every thread's kept route (:func:`keep_route`): the next push of each is
+    decided again. Connected to ``setting_changed``."""
+    _state.epoch += 1
+
+
+def send_kept(deltas: Mapping[str, int], using: str) -> bool:
+    """:func:`send` of committed ``deltas`` (none zero) on the thread's kept route to
+    ``using`` (:func:`keep_route`); False if it has none, or the push was not sent (the
+    caller decides it as usual)."""
+    state = _state
+    acks = state.local.lines.get(using)
+    if acks is None or acks.kept != state.epoch:
+        return False
+    return acks.hand_on(deltas, acks.kept_complete, acks.kept_batch)  # type: ignore[arg-type]
 
 
 def acknowledge(using: str | None = None) -> None:
@@ -475,9 +554,7 @@ def _lines() -> list[Acks]:
 
 
 def _acks_of_thread(using: str, buffer: Buffer) -> Acks:
-    lines: dict[str, Acks] | None = getattr(_state.local, "lines", None)
-    if lines is None:
-        lines = _state.local.lines = {}
+    lines = _state.local.lines
     acks = lines.get(using)
     if acks is None or acks.buffer is not buffer:  # new, or the settings changed
         if acks is not None:
@@ -591,3 +668,4 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
+setting_changed.connect(forget_routes, dispatch_uid="counters.write.acks.routes")

@@ -61,16 +61,20 @@ def send(
     """Hand committed deltas on: to this process's sender when it is on, else push them now.
 
     Never raises: it runs after COMMIT, where the request has already
-    succeeded. Deltas with a push id of their own (an outbox row's, in durable
+    succeeded. A push with deferred acknowledgements keeps the thread's route
+    (:func:`counters.write.acks.keep_route`), which its next pushes take
+    without deciding it again. Deltas with a push id of their own (an outbox row's, in durable
     mode) never wait in the sender's queue: they are pushed now, under that
     id (their reply read later with ``COUNTERS_DEFER_ACKS``), so that a later
     push of the row by a flush finds it applied.
     """
+    if push_id is None and not outbox and acks.send_kept(deltas, using):
+        return  # the thread's route, as decided below for its push before
+    epoch = acks.route_epoch()
     buffer = get_buffer(using)
-    if any(deltas.values()):
-        # In the committing thread, before any push: the DB knows the layout and the
-        # shards' epochs (not in the sender's thread, which has no connection of its own).
-        ensure_recorded(buffer, using)
+    # In the committing thread, before any push: the DB knows the layout and the
+    # shards' epochs (not in the sender's thread, which has no connection of its own).
+    recorded = any(deltas.values()) and ensure_recorded(buffer, using)
     switches = conf.write_switches()
     if push_id is None and not outbox:
         if switches.send_delay > 0 and sender.enqueue(deltas, using, push_now):
@@ -78,6 +82,8 @@ def send(
         if switches.defer_acks and acks.send(
             deltas, using, buffer, complete, batch=switches.write_batch
         ):
+            if recorded and switches.send_delay <= 0:  # so will the thread's next pushes
+                acks.keep_route(using, buffer, complete, switches.write_batch, epoch)
             return  # its reply is read later; ``complete`` finishes it if it failed
     elif outbox and push_id is not None and switches.defer_acks:
         held = PushId.of(push_id)

@@ -45,21 +45,23 @@ def ensure_token(buffer: Buffer, shard: int) -> str:
     return to_str(script(keys=[buffer.key(shard, "epoch")], args=[secrets.token_hex(16)])) or ""
 
 
-def ensure_recorded(buffer: Buffer, using: str) -> None:
-    """Record ``buffer``'s layout and shard epochs in DB ``using``, once per process and layout.
+def ensure_recorded(buffer: Buffer, using: str) -> bool:
+    """Record ``buffer``'s layout and shard epochs in DB ``using``, once per process and layout;
+    whether they are recorded.
 
     Call before pushing to ``buffer``. Never raises (it runs after COMMIT): a
-    failure is logged and the next push tries again (a Redis that cannot be
-    reached fails the push too, which then goes to the DB directly).
+    failure is logged, False is returned, and the next push tries again (a
+    Redis that cannot be reached fails the push too, which then goes to the
+    DB directly).
     """
     if _recorded.get(using) is buffer:
-        return
+        return True
     key = _layout(buffer)
     with _lock:
         last = _recorded.get(using)
         if last is not None and _layout(last) == key:  # the same layout, another buffer
             _recorded[using] = buffer
-            return
+            return True
         try:
             record_layout(buffer, using)
         except Exception as exc:  # after COMMIT: the push goes on whatever this meets
@@ -68,8 +70,9 @@ def ensure_recorded(buffer: Buffer, using: str) -> None:
                 describe_layout(*key),
                 exc,
             )
-            return
+            return False
         _recorded[using] = buffer
+        return True
 
 
 def _layout(buffer: Buffer) -> tuple[str, int, bool]:

@@ -274,7 +274,8 @@ def record(
 ) -> None:
     """Have ``send(deltas, using)`` called once the current transaction on ``using`` commits.
 
-    Deltas of one transaction are summed per member and sent in one call.
+    ``deltas`` holds no zero (:mod:`counters.write.add` leaves them out). Deltas
+    of one transaction are summed per member and sent in one call.
     ``durable``: the hook of durable mode, which holds them in an outbox row
     from before the COMMIT until they are counted (when it is enabled).
     """
@@ -283,13 +284,10 @@ def record(
     # ``autocommit`` is what get_autocommit() returns once connected, without its checks
     connected = conn.connection is not None
     if not in_atomic and (conn.autocommit if connected else conn.get_autocommit()):
-        now = deltas if all(deltas.values()) else {m: d for m, d in deltas.items() if d}
-        if not now:
-            return
         if durable is not None and durable.enabled():
-            durable.send_committed(now, using, send)
+            durable.send_committed(deltas, using, send)
         else:
-            send(now, using)
+            send(deltas, using)
         return
     state = _state(conn)
     state.record(deltas, send, durable)

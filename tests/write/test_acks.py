@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.http import HttpResponse
 from django.test import RequestFactory
 
@@ -25,8 +25,8 @@ from counters.base.exceptions import StalePush, UnexpectedScriptReply
 from counters.buffer.pushids import PushId
 from counters.client import get_buffer
 from counters.middleware import AcknowledgeMiddleware
-from counters.models import FlushBatch
-from counters.write import acks
+from counters.models import BufferLayout, FlushBatch, Outbox
+from counters.write import acks, preflight
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, in_redis, stored, truth
 
@@ -491,4 +491,112 @@ def test_a_durable_push_whose_reply_fails_is_written_directly_with_its_row(
         assert Outbox.objects.count() == 0  # deleted by the direct write
         assert stored(alice) == truth(alice) == 2
     Notification.objects.create(recipient=alice, verb="after")
+    assert_exact(alice)
+
+
+# -- the thread's kept route ----------------------------------------------------------
+
+
+def route_kept() -> bool:
+    """Whether the thread's next push to the default database takes its kept route."""
+    return line_of_thread().kept == acks.route_epoch()
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_a_threads_first_push_keeps_its_route_and_the_next_ones_take_it(make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="first")
+    assert route_kept()
+    line = line_of_thread()
+    for i in range(3):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    assert line_of_thread() is line
+    assert waiting() == 4  # written on the line, their replies unread
+    acks.acknowledge()
+    assert in_redis(alice) == truth(alice) == 4
+    assert fallbacks() == 0
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_a_changed_setting_drops_the_route_and_the_next_push_takes_its_new_path(
+    make_user, settings
+):
+    """Durable mode turned on after the route was kept: the next push is held in an
+    outbox row, as the setting says."""
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="before")
+    assert route_kept()
+    settings.COUNTERS_DURABLE = True
+    assert not route_kept()
+    Notification.objects.create(recipient=alice, verb="durable")
+    assert Outbox.objects.count() == 1
+    acks.acknowledge()
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    assert stored(alice) == truth(alice) == 2
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_acknowledgements_turned_off_after_the_route_was_kept_wait_on_the_next_push(
+    make_user, settings
+):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="deferred")
+    assert waiting() == 1
+    settings.COUNTERS_DEFER_ACKS = False
+    Notification.objects.create(recipient=alice, verb="waited")
+    assert waiting() == 1  # the second push was waited on, not left on the line
+    acks.acknowledge()
+    assert in_redis(alice) == truth(alice) == 2
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_a_request_served_without_the_middleware_drops_the_route_of_every_thread(make_user):
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="deferred")
+
+    def other_thread() -> None:
+        Notification.objects.create(recipient=alice, verb="in another thread")
+        connections.close_all()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert waiting() == 2
+    acks.request_started()  # a request with no AcknowledgeMiddleware: waits on its pushes
+    assert waiting() == 0
+    Notification.objects.create(recipient=alice, verb="waited")
+    assert waiting() == 0
+    assert in_redis(alice) == truth(alice) == 3
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_no_route_is_kept_until_the_buffer_layout_is_recorded(make_user, monkeypatch):
+    """A layout the database could not record: each push records it again until it is."""
+    locked = True
+    record_layout = preflight.record_layout
+
+    def record_unless_locked(buffer, using):
+        if locked:
+            raise DatabaseError("the layout table is locked")
+        record_layout(buffer, using)
+
+    monkeypatch.setattr(preflight, "_recorded", {})
+    monkeypatch.setattr(preflight, "record_layout", record_unless_locked)
+    BufferLayout.objects.all().delete()
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="unrecorded")
+    assert waiting() == 1  # pushed all the same
+    assert not route_kept()
+    assert not BufferLayout.objects.exists()
+    locked = False
+    Notification.objects.create(recipient=alice, verb="recorded")
+    assert route_kept()
+    assert BufferLayout.objects.filter(prefix=get_buffer().prefix).exists()
+    acks.acknowledge()
+    assert in_redis(alice) == truth(alice) == 2
     assert_exact(alice)
