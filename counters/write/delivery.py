@@ -61,12 +61,14 @@ def send(
     """Hand committed deltas on: to this process's sender when it is on, else push them now.
 
     Never raises: it runs after COMMIT, where the request has already
-    succeeded. A push with deferred acknowledgements keeps the thread's route
-    (:func:`counters.write.acks.keep_route`), which its next pushes take
-    without deciding it again. Deltas with a push id of their own (an outbox row's, in durable
+    succeeded. Deltas with a push id of their own (an outbox row's, in durable
     mode) never wait in the sender's queue: they are pushed now, under that
     id (their reply read later with ``COUNTERS_DEFER_ACKS``), so that a later
     push of the row by a flush finds it applied.
+
+    A push with deferred acknowledgements keeps the thread's route
+    (:func:`counters.write.acks.keep_route`): its next pushes without a push
+    id take it, without deciding it again.
     """
     if push_id is None and not outbox and acks.send_kept(deltas, using):
         return  # the thread's route, as decided below for its push before
