@@ -62,6 +62,7 @@ def main() -> int:
     from django.contrib.auth import get_user_model
 
     import counters
+    from benchmarks.errors import BenchError
     from benchmarks.internals import Line, acks, pushids
     from benchmarks.writers import Floor, PushFloor, drop_floor_keys, operations, set_mode
     from notifications.models import Notification
@@ -69,7 +70,10 @@ def main() -> int:
     user, _ = get_user_model().objects.get_or_create(username="write-cost")
     ops = operations()
     floor = PushFloor(ops["off"])
-    floor.connect()
+    try:
+        floor.connect()
+    except BenchError as exc:
+        parser.error(str(exc))
     buffer = counters.get_buffer()
     line = Line(buffer)  # a connection made as a thread's line makes its own
     sock = line._open()
