@@ -217,11 +217,9 @@ class Acks:
             failed = self.push(deltas, complete, batch)
             if failed is None:
                 return False  # never sent: the caller waits on its push
-        if failed:
-            _finish(failed)
         state = _state
-        if state.thread is None or state.sleeping:
-            _ensure_thread()
+        if failed or state.thread is None or state.sleeping:
+            _handed_on(failed)
         return True
 
     def push(
@@ -477,12 +475,18 @@ def send(
     failed = _acks_of_thread(using, buffer).send(
         Waiting(plan, push_id, deltas, using, complete), batch
     )
+    state = _state
+    if failed or state.thread is None or state.sleeping:
+        _handed_on(failed)
+    return True
+
+
+def _handed_on(failed: list[Failed]) -> None:
+    """After a push was handed to a line: complete the ``failed`` pushes of the replies
+    read, and have the acknowledging thread running."""
     if failed:
         _finish(failed)
-    state = _state
-    if state.thread is None or state.sleeping:
-        _ensure_thread()
-    return True
+    _ensure_thread()
 
 
 def route_epoch() -> int:
@@ -495,18 +499,16 @@ def keep_route(using: str, buffer: Buffer, complete: Complete, batch: int, epoch
     pushes on as :func:`send` of ``buffer``, ``complete`` and ``batch`` would, without
     what decided them.
 
-    The caller checked, since :func:`route_epoch` gave it ``epoch``, that every
-    push of the thread to ``using`` with no push id of its own takes that path:
+    Called once :func:`send` handed a push of ``buffer`` on. The caller checked,
+    since :func:`route_epoch` gave it ``epoch``, that every push of the thread
+    to ``using`` with no push id of its own takes that path:
     the settings, the buffer of ``using`` and its recorded layout. It holds
     until :func:`forget_routes`: a changed setting (``setting_changed``), a
     request served without the middleware, or a caller that knows the rest
     changed.
     """
-    state = _state
-    if state.unguarded or not isinstance(buffer.client, Redis):
-        return
-    acks = state.local.lines.get(using)
-    if acks is not None and acks.buffer is buffer:
+    acks = _state.local.lines.get(using)
+    if acks is not None and acks.buffer is buffer:  # the line :func:`send` wrote to
         acks.kept_complete = complete
         acks.kept_batch = batch
         acks.kept = epoch
