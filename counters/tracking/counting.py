@@ -40,6 +40,7 @@ from counters.base.utils import concrete_model, target_field
 from counters.tracking.follow import with_related
 from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
 from counters.tracking.trackers import (
+    InsertPlan,
     insert_plan,
     touches,
     tracked_attnames,
@@ -158,13 +159,14 @@ def counted_write(
     using: str,
     update_fields: Iterable[str] | None,
     force_insert: bool,
+    plan: InsertPlan | None,
 ) -> bool:
     """Run ``write`` (Django's ``_save_table()`` of ``obj``'s row) and count what it did.
 
     Returns what ``write`` returns (True if it updated a row, False if it
     inserted one). A row that may be updated is locked and read inside a
     transaction (one is opened if none is), so no racing writer can change it
-    between the read and the write.
+    between the read and the write. ``plan``: :func:`insert_plan` of ``model``.
     """
     pk = obj.pk
     if pk is not None and is_expression(pk):
@@ -176,7 +178,6 @@ def counted_write(
     before = obj.__dict__.pop(_BEFORE_PARENTS, None)
     may_update = pk is not None and _may_update(obj, model, force_insert)
     if not may_update:
-        plan = insert_plan(model)
         values = obj.__dict__
         if plan is not None and not plan.has_expression(values):
             # Nothing to lock or read: its values are plain (no expression), and no tracker

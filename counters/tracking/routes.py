@@ -86,6 +86,7 @@ from counters.tracking.relatives import (
 )
 from counters.tracking.trackers import (
     Tracker,
+    insert_plan,
     middle_touched,
     touches,
     tracked_models,
@@ -202,10 +203,13 @@ def _counted_save_table(original: Method, model: type[models.Model]) -> Method:
             or (type(self) is not model and concrete_model(type(self)) is not model)
         ):
             return write_row()  # another table (a parent's, a child's), or not counted
-        if not trackers_for(cls) or (update_fields is not None and not touches(cls, update_fields)):
+        plan = insert_plan(cls)  # None: no trackers, or one of them reads related rows
+        if (plan is None and not trackers_for(cls)) or (
+            update_fields is not None and not touches(cls, update_fields)
+        ):
             return write_row()
         using = using or router.db_for_write(cls, instance=self)
-        return counted_write(self, cls, write_row, using, update_fields, bool(force_insert))
+        return counted_write(self, cls, write_row, using, update_fields, bool(force_insert), plan)
 
     return _save_table
 

@@ -128,7 +128,7 @@ class InsertPlan:
     one when the model's trackers change).
     """
 
-    __slots__ = ("attnames", "native", "native_types", "steps", "trackers")
+    __slots__ = ("attnames", "native", "steps", "trackers")
 
     def __init__(self, model: type[models.Model], trackers: tuple[Tracker, ...]) -> None:
         self.trackers = trackers
@@ -136,9 +136,6 @@ class InsertPlan:
         self.attnames = tuple(f.attname for f in fields)
         #: ``(attname, type)`` of the fields whose values of that type are stored as they are.
         self.native = tuple((f.attname, native_type(f)) for f in fields)
-        #: Those types alone, in the order of :attr:`attnames`: the types of a row's values
-        #: when every one of them is stored as it is.
-        self.native_types = tuple(native for _, native in self.native)
         #: Per tracker, what :meth:`Tracker.contribution` reads: the key's attname, the
         #: condition, the amount's attname (None: each row adds 1) and the counter's name.
         self.steps = tuple(
@@ -153,9 +150,7 @@ class InsertPlan:
 
     def has_expression(self, values: dict[str, Any]) -> bool:
         """Whether a tracked value in ``values`` (an instance's ``__dict__``) is an expression."""
-        if PLAIN_TYPES.issuperset(map(type, map(values.get, self.attnames))):
-            return False  # all of them plain: the usual case, decided without a loop
-        for attname in self.attnames:
+        for attname in self.attnames:  # (a loop: a set built from a map costs more)
             value = values.get(attname)
             if type(value) not in PLAIN_TYPES and is_expression(value):
                 return True
@@ -170,11 +165,10 @@ class InsertPlan:
         steps read once here instead of per call, from ``values`` itself: its
         tracked values are those of the row.
         """
-        if tuple(map(type, map(values.get, self.attnames))) != self.native_types:
-            for attname, native in self.native:  # a None, a missing value, or another type
-                value = values.get(attname, _ABSENT)
-                if value is not None and type(value) is not native:
-                    return None
+        for attname, native in self.native:
+            value = values.get(attname, _ABSENT)
+            if type(value) is not native and value is not None:  # missing, or another type
+                return None
         members: dict[str, int] = {}
         for key_name, condition, amount, name in self.steps:
             key = values[key_name]
