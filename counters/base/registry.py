@@ -165,20 +165,23 @@ class CounterSpec:
             raise InvalidKey(self.name, key, reason) from None
 
     @cached_property
-    def _int_range(self) -> tuple[int, int] | None:
-        """``(lowest, highest)`` key of an integer key field whose only bounds are those,
-        for :meth:`member`'s shortcut; None when :meth:`normalize` must decide."""
+    def int_range(self) -> tuple[int, int]:
+        """``(lowest, highest)`` ``int`` key that is its own normal form (:meth:`member`'s
+        shortcut): the bounds of a key of one integer field whose only validators are
+        bounds. An empty range (``(1, 0)``) when :meth:`normalize` must decide each key."""
+        if self.codec is not None:
+            return _NO_INTS
         field = self.key_model_field
         target = target_field(field) if field.is_relation else field
         if not isinstance(target, models.IntegerField):
-            return None
+            return _NO_INTS
         low, high = -(2**63), 2**63 - 1
         for check in self._bounds:
             if not isinstance(check, validators.MinValueValidator | validators.MaxValueValidator):
-                return None
+                return _NO_INTS
             limit = check.limit_value
             if isinstance(limit, bool) or not isinstance(limit, int):
-                return None
+                return _NO_INTS
             if isinstance(check, validators.MinValueValidator):
                 low = max(low, limit)
             else:
@@ -188,16 +191,18 @@ class CounterSpec:
     def member(self, key: Any) -> str:
         """The Redis member of ``key`` (normalised first; see :meth:`normalize`).
 
-        An ``int`` within the bounds of an integer key field is its own
-        normal form: it is used as is, without the validators' calls.
+        An ``int`` within :attr:`int_range` is its own normal form: it is used
+        as is, without the validators' calls.
         """
-        if type(key) is int and self.codec is None:
-            bounds = self._int_range
-            if bounds is not None and bounds[0] <= key <= bounds[1]:
-                return f"{self.name}:{key}"
+        low, high = self.int_range
+        if type(key) is int and low <= key <= high:
+            return f"{self.name}:{key}"
         return f"{self.name}:{self.normalize(key)}"
 
 
+#: :attr:`CounterSpec.int_range` of a key whose every value :meth:`~CounterSpec.normalize`
+#: decides.
+_NO_INTS = (1, 0)
 _registry: dict[str, CounterSpec] = {}
 
 

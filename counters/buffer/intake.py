@@ -68,7 +68,7 @@ class Intake(Keyspace):
             ((member, delta),) = deltas.items()
             if type(delta) is int and 0 < abs(delta) < SCORE_LIMIT:
                 shard = crc32(member.encode()) % self.shards
-                now_ms = int(time.time() * 1000)
+                now_ms = time.time_ns() // 1_000_000
                 writer, seq = pid.writer, pid.seq
                 entry = self._push_keys_cache.get((shard, writer))
                 if entry is None:
@@ -94,7 +94,7 @@ class Intake(Keyspace):
             if args is None:
                 args = groups[shard] = []
             args += (member, int(delta))
-        now_ms = int(time.time() * 1000)
+        now_ms = time.time_ns() // 1_000_000
         writer, seq = pid.writer, pid.seq
         calls = [
             (
@@ -127,7 +127,7 @@ class Intake(Keyspace):
         head = entry[1]
         if not head:
             return None
-        return encode_one(head, int(time.time() * 1000), seq, member, delta)
+        return encode_one(head, time.time_ns() // 1_000_000, seq, member, delta)
 
     def _push_keys(self, shard: int, writer: str) -> tuple[str, str, str]:
         """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since.

@@ -94,8 +94,8 @@ def test_a_push_fenced_or_already_applied_is_not_checked_again(buf, client):
 
 def test_a_stale_push_is_refused_before_the_limit_is_checked(buf, client, monkeypatch):
     buf.push({"c:1": NEAR}, "p1")
-    real_time = intake.time.time  # the writer's clock an hour behind Redis's
-    monkeypatch.setattr(intake, "time", SimpleNamespace(time=lambda: real_time() - 3600))
+    real_ns = intake.time.time_ns  # the writer's clock an hour behind Redis's
+    monkeypatch.setattr(intake, "time", SimpleNamespace(time_ns=lambda: real_ns() - 3600 * 10**9))
     with pytest.raises(StalePush):
         buf.push({"c:1": 10}, "p2")
     assert pending(client, 0) == {"c:1": NEAR}

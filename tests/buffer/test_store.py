@@ -341,8 +341,8 @@ def test_push_delivered_too_late_is_refused(buf, client, monkeypatch):
     from counters.base.exceptions import StalePush
     from counters.buffer import intake
 
-    real_time = intake.time.time  # the writer's clock an hour behind Redis's
-    monkeypatch.setattr(intake, "time", SimpleNamespace(time=lambda: real_time() - 3600))
+    real_ns = intake.time.time_ns  # the writer's clock an hour behind Redis's
+    monkeypatch.setattr(intake, "time", SimpleNamespace(time_ns=lambda: real_ns() - 3600 * 10**9))
     with pytest.raises(StalePush):
         buf.push({"c:1": 1}, "late")
     assert pending(client, 0) == {}
