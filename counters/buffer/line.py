@@ -52,6 +52,9 @@ from counters.buffer.intake import (
 
 #: Bytes one ``recv`` asks for: the replies of many pushes.
 READ_SIZE = 65536
+#: As many replies of one-shard pushes that added their deltas (``:1``) as one read can
+#: hold: what arrived is all such replies when it starts this run.
+_ADDED_RUN = b":1\r\n" * (READ_SIZE // 4)
 #: Heads of the push scripts' commands kept per line (``EVALSHA``, the sha, the keys).
 HEADS_KEPT = 256
 #: No reply held (:attr:`Line._early`).
@@ -90,6 +93,9 @@ class Line:
         #: ``sendall`` for the socket: :meth:`_sendall` once it is non-blocking.
         self._write_all = _blocking_sendall
         self._reader = Reader(replyError=ResponseError)
+        #: Every byte fed to the reader is part of a complete reply: it holds no part of one
+        #: (which it may not show: an array's header is taken off its buffer at once).
+        self._whole = True
         #: Keys of a push -> the encoded head of its command (:meth:`_packed`).
         self._heads: dict[tuple[str, ...], str] = {}
         #: The encoded commands of the pushes not written yet.
@@ -253,11 +259,24 @@ class Line:
                 read = True
                 if not data:
                     break
-                reader.feed(data)
-                continue
+                if not self._whole or len(data) % 4 or not _ADDED_RUN.startswith(data):
+                    reader.feed(data)  # parsed one by one
+                    self._whole = False
+                    continue
+                # The usual replies alone, from a reply's start: one ``:1`` per push.
+                left = taken + len(data) // 4  # ``taken`` once each of them is
+                ready = min(left, most)
+                while taken < ready and len(unread[0].calls) == 1:
+                    unread.popleft()
+                    taken += 1
+                if left > taken:  # the replies of the pushes not taken, for the reader
+                    reader.feed(data[4 * (taken - left) :])
+                break
             if type(reply) is not int or reply != 1:
                 self._early = reply
                 break
+            if not self._whole and not reader.has_data():  # all fed was parsed, to its end
+                self._whole = True
             unread.popleft()
             taken += 1
         return taken
@@ -287,7 +306,10 @@ class Line:
             if not data:
                 raise RedisConnectionError("Connection closed by server.")
             reader.feed(data)
+            self._whole = False
             reply = reader.gets()
+        if not self._whole and not reader.has_data():  # all fed was parsed, to its end
+            self._whole = True
         return reply
 
     def _sendall(self, sock: socket.socket, data: bytes) -> None:
@@ -312,6 +334,7 @@ class Line:
         if sock is None:  # pragma: no cover - connect() raises instead
             raise RedisConnectionError("no socket after connect")
         self._reader = Reader(replyError=ResponseError)
+        self._whole = True
         self._early = _NONE
         if type(sock) is socket.socket:
             # Non-blocking between writes: a socket with a timeout polls before each send

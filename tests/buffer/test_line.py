@@ -341,3 +341,25 @@ def test_a_reply_not_arrived_is_not_waited_for(line, buffer, pair):
     assert line.receive_added(2) == 0
     peer.sendall(b"1\r\n")
     assert line.receive_added(2) == 1 and not line.unread
+
+
+def test_replies_that_arrive_after_part_of_another_are_parsed_as_its_own(line, buffer, pair):
+    _, peer = pair
+    line.unread.extend(buffer.plan_push({"m:1": 1}, PushId("w-" + "e" * 16, i)) for i in (1, 2, 3))
+    peer.sendall(b"*2\r\n")  # the start of a reply that is not a push's code
+    assert line.receive_added(3) == 0
+    peer.sendall(b":1\r\n:1\r\n")  # the rest of it: not the replies of two pushes
+    assert line.receive_added(3) == 0 and len(line.unread) == 3
+    assert line.receive()[1] == [[1, 1]]
+    peer.sendall(b":1\r\n:1\r\n")  # the next two pushes' own
+    assert line.receive_added(3) == 2 and not line.unread
+
+
+def test_replies_taken_from_a_run_leave_the_rest_to_the_reader(line, buffer, pair):
+    _, peer = pair
+    line.unread.extend(buffer.plan_push({"m:1": 1}, PushId("w-" + "c" * 16, i)) for i in (1, 2, 3))
+    peer.sendall(b":1\r\n" * 3)
+    assert line.receive_added(1) == 1 and len(line.unread) == 2
+    assert line._reader.has_data()  # the other two replies, for the next read
+    peer.sendall(b":0\r\n")  # a reply no push of these has: never read
+    assert line.receive_added(5) == 2 and not line.unread
