@@ -41,7 +41,6 @@ from counters.tracking.follow import with_related
 from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
 from counters.tracking.trackers import (
     InsertPlan,
-    insert_plan,
     touches,
     tracked_attnames,
     trackers_for,
@@ -119,15 +118,15 @@ def read_before_parents(
 
 
 def needs_transaction(obj: models.Model, update_fields: Iterable[str] | None) -> bool:
-    """Whether a save of ``obj`` must run in ``atomic()``: it may update a counted row."""
+    """Whether a save of ``obj`` must run in ``atomic()``: it may update a counted row.
+
+    An insert does not: :func:`counted_write` opens a transaction of its own
+    around one that must read its row back or lock related rows (a save of a
+    multi-table child runs in Django's own).
+    """
     if update_fields is not None and not touches(type(obj), update_fields):
         return False
-    if obj.pk is not None:
-        return True  # the row may exist: its old state is read under a lock
-    plan = insert_plan(concrete_model(type(obj)))
-    if plan is not None:
-        return plan.has_expression(obj.__dict__)
-    return _has_expression(obj) or _has_related(type(obj))
+    return obj.pk is not None  # the row may exist: its old state is read under a lock
 
 
 def _has_related(model: type[models.Model]) -> bool:
