@@ -248,7 +248,9 @@ class Acks:
     ) -> list[Failed] | None:
         """:meth:`push` of ``{member: delta}`` as a :class:`OnePush`; None if it must be
         pushed by :meth:`push` instead (:meth:`~counters.buffer.intake.Intake.wire_one`)."""
-        with self.lock:
+        lock = self.lock
+        lock.acquire()  # (not ``with``: the usual push's lock, at half the cost)
+        try:
             writers = self.writers
             writer = writers.pop() if writers else Writer()
             seq = writer.seq + 1
@@ -263,6 +265,8 @@ class Acks:
             writer.seq = seq
             push = OnePush(self.buffer, wire, writer, seq, member, delta, self.using, complete)
             return self._write(push, push, batch)
+        finally:
+            lock.release()
 
     def send(self, push: Waiting, batch: int = 1) -> list[Failed]:
         """Hand ``push`` to the line; the failed pushes (of the replies read, if any were).
