@@ -53,7 +53,7 @@ from counters.buffer.intake import (
 #: Bytes one ``recv`` asks for: the replies of many pushes.
 READ_SIZE = 65536
 #: As many replies of one-shard pushes that added their deltas (``:1``) as one read can
-#: hold: what arrived is all such replies when it starts this run.
+#: hold: what arrived is all such replies when this run starts with it.
 _ADDED_RUN = b":1\r\n" * (READ_SIZE // 4)
 #: Heads of the push scripts' commands kept per line (``EVALSHA``, the sha, the keys).
 HEADS_KEPT = 256
@@ -264,7 +264,7 @@ class Line:
                     self._whole = False
                     continue
                 # The usual replies alone, from a reply's start: one ``:1`` per push.
-                left = taken + len(data) // 4  # ``taken`` once each of them is
+                left = taken + len(data) // 4  # ``taken`` with a push for each of them
                 ready = min(left, most)
                 while taken < ready and len(unread[0].calls) == 1:
                     unread.popleft()
