@@ -22,6 +22,17 @@ insert::
 - The garbage collector is frozen and ``PYTHONHASHSEED`` is 0. Two runs of
   the same code agree within about 1,000 instructions.
 
+With ``--cold MB``, the writer copies ``MB`` megabytes before each insert,
+which empties its caches as the other processes of a busy machine do, and
+callgrind simulates the caches (``--I1=32768,8,64 --D1=49152,12,64``, a last
+level of ``--ll-kb``, 2,048 KiB by default). Each insert then starts cold,
+and the script prints beside its instructions the last-level misses it
+makes: the cache lines of code (``ILmr``) and of data (read ``DLmr``,
+written ``DLmw``) it must fetch from memory, at about 100 cycles each, and
+their sum (``LL``). The copy's own
+instructions and misses are the same in every mode: compare modes over
+``off``, not the totals. The counts are as repeatable as the instructions.
+
 The modes are those of ``scripts/write_cost.py`` (``counters_bench``'s). Run
 each tree of an A/B from its own directory: Celery's Django fixup puts the
 current directory first on ``sys.path``.
@@ -42,8 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WARM_UP = 200
 
 
-def run(mode: str, inserts: int) -> int:
-    """Inside callgrind: ``inserts`` inserts of ``mode`` after the warm-up."""
+def run(mode: str, inserts: int, cold_mb: int) -> int:
+    """Inside callgrind: ``inserts`` inserts of ``mode`` after the warm-up, each after a
+    copy of ``cold_mb`` megabytes (none: 0)."""
     import gc
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
@@ -75,33 +87,49 @@ def run(mode: str, inserts: int) -> int:
     gc.collect()
     gc.freeze()
     gc.disable()
-    for _ in range(inserts):
-        op(1)
+    if cold_mb:
+        scratch, zeros = bytearray(cold_mb << 20), bytes(cold_mb << 20)
+        for _ in range(inserts):
+            scratch[:] = zeros  # empties the caches (the simulated ones: a full copy)
+            op(1)
+    else:
+        for _ in range(inserts):
+            op(1)
     counters.push_queued()
     if isinstance(op, Floor):
         op.finish()
     return 0
 
 
-def count(mode: str, inserts: int, redis_url: str) -> int:
-    """The instructions of a whole run of ``inserts`` inserts of ``mode``."""
+#: The events callgrind counts with ``--cache-sim=yes``, in its order, and those printed.
+EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
+MISSES = ("ILmr", "DLmr", "DLmw")
+
+
+def count(mode: str, inserts: int, redis_url: str, cold_mb: int, ll_kb: int) -> dict[str, int]:
+    """The events of a whole run of ``inserts`` inserts of ``mode``: instructions (``Ir``),
+    and with ``cold_mb`` the simulated caches' reads, writes and misses."""
     env = {**os.environ, "PYTHONHASHSEED": "0", "COUNTERS_REDIS_URL": redis_url}
+    caches = ["--cache-sim=yes", "--I1=32768,8,64", "--D1=49152,12,64", f"--LL={ll_kb << 10},16,64"]
     command = [
         "valgrind",
         "--tool=callgrind",
         "--callgrind-out-file=/dev/null",
+        *(caches if cold_mb else []),
         sys.executable,
         __file__,
         "--run",
         mode,
         "--inserts",
         str(inserts),
+        "--cold",
+        str(cold_mb),
     ]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    found = re.search(r"Collected : (\d+)", done.stderr)
+    found = re.search(r"Collected : ([\d ]+)", done.stderr)
     if done.returncode != 0 or found is None:
         raise SystemExit(f"{mode}: callgrind failed: {done.stderr.strip().splitlines()[-1:]}")
-    return int(found.group(1))
+    return dict(zip(EVENTS, map(int, found.group(1).split()), strict=False))
 
 
 def main() -> int:
@@ -110,22 +138,41 @@ def main() -> int:
     parser.add_argument("--low", type=int, default=300, help="inserts of the shorter run")
     parser.add_argument("--high", type=int, default=1300, help="inserts of the longer run")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6393/0")
+    parser.add_argument(
+        "--cold",
+        type=int,
+        default=0,
+        metavar="MB",
+        help="copy MB megabytes before each insert and count the last-level cache misses",
+    )
+    parser.add_argument("--ll-kb", type=int, default=2048, help="last-level cache of --cold, KiB")
     parser.add_argument("--run", metavar="MODE", help=argparse.SUPPRESS)
     parser.add_argument("--inserts", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
-        return run(args.run, args.inserts)
+        return run(args.run, args.inserts, args.cold)
     if shutil.which("valgrind") is None:
         parser.error("needs valgrind (apt-get install valgrind)")
     if args.high <= args.low:
         parser.error("--high must be above --low")
-    print(f"instructions per insert, the INSERT stubbed ({args.high} - {args.low} inserts)")
-    per: dict[str, int] = {}
+    if args.cold and args.cold << 10 <= args.ll_kb:
+        parser.error("--cold must copy more than the last level holds (--ll-kb)")
+    shown = ("Ir", *MISSES, "LL") if args.cold else ("Ir",)
+    cold = f", {args.cold} MB copied before each, LL {args.ll_kb} KiB" if args.cold else ""
+    print(f"per insert, the INSERT stubbed ({args.high} - {args.low} inserts{cold})")
+    print(f"{'mode':<14}" + "".join(f" {name:>10} {'over off':>9}" for name in shown))
+    per: dict[str, dict[str, int]] = {}
     for mode in args.modes.split(","):
-        spent = count(mode, args.high, args.redis_url) - count(mode, args.low, args.redis_url)
-        per[mode] = spent // (args.high - args.low)
-        over = f"{per[mode] - per['off']:+,}" if "off" in per and mode != "off" else ""
-        print(f"{mode:<14} {per[mode]:>10,} {over:>10}")
+        high = count(mode, args.high, args.redis_url, args.cold, args.ll_kb)
+        low = count(mode, args.low, args.redis_url, args.cold, args.ll_kb)
+        per[mode] = {e: (high[e] - low[e]) // (args.high - args.low) for e in shown if e in high}
+        if args.cold:
+            per[mode]["LL"] = sum(per[mode][e] for e in MISSES)  # all the lines fetched
+        row = f"{mode:<14}"
+        for name in shown:
+            over = per[mode][name] - per["off"][name] if "off" in per and mode != "off" else None
+            row += f" {per[mode][name]:>10,} {'' if over is None else f'{over:+,}':>9}"
+        print(row, flush=True)
     return 0
 
 
