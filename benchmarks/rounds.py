@@ -11,7 +11,7 @@ from .trigger import CounterTrigger
 from .writers import WORKLOADS, WriterPool, percentile
 
 #: Modes whose runs the Redis probe samples.
-SAMPLED = ("tally", "sender", "batched")
+SAMPLED = ("tally", "sender", "batched", "floor_push")
 #: Ratios of ops/s, each the median of its per-round ratios: (numerator, denominator).
 RATIOS = (
     ("tally", "off"),
@@ -142,8 +142,10 @@ def _figures(
         figures.update(kept[(workload, "tally")].redis.figures())
         sender = kept[(workload, "sender")].redis.figures()
         figures.update({f"sender_{k}": v for k, v in sender.items()})
-        batched = kept[(workload, "batched")].redis.figures()
-        figures.update({f"batched_{k}": v for k, v in batched.items()})
+        for other in SAMPLED[1:]:
+            if other in modes:
+                usage = kept[(workload, other)].redis.figures()
+                figures.update({f"{other}_{k}": v for k, v in usage.items()})
     figures["rounds"] = {mode: [round(v, 1) for v in values] for mode, values in rates.items()}
     return figures
 

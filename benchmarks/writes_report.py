@@ -161,7 +161,8 @@ def _costs(by_count: dict) -> list[str]:
         "",
         "cost per insert, over every recorded run: writer CPU (the writer processes, every "
         "thread), PostgreSQL backend CPU (the writers' backends, /proc/<pid>/stat), WAL bytes "
-        "(pg_current_wal_lsn, the whole server's); n/a: not measurable here",
+        "(pg_current_wal_lsn, the whole server's), Redis CPU (INFO cpu, of the modes "
+        "sampled); n/a: not measurable here",
         f"{'procs':<6}{'workload':<9}{'per insert':<16}"
         + "".join(f"{m:>{_width(m)}}" for m in modes),
     ]
@@ -173,9 +174,19 @@ def _costs(by_count: dict) -> list[str]:
                     f"{count:<6}{name:<9}{label:<16}"
                     + "".join(_get(r, f"{m}_{figure}", _width(m), 1) for m in modes)
                 )
+            if "redis_cpu_us_per_push" in r:  # tally's figure has no prefix
+                lines.append(
+                    f"{count:<6}{name:<9}{'Redis CPU µs':<16}"
+                    + "".join(_get(r, _redis_cpu(m), _width(m), 1) for m in modes)
+                )
     reasons = sorted({r["backend_cpu_na"] for r in by_count.values() if r.get("backend_cpu_na")})
     lines += [f"backend CPU n/a: {reason}" for reason in reasons]
     return lines
+
+
+def _redis_cpu(mode: str) -> str:
+    """The key of ``mode``'s Redis CPU per insert (sampled for a few modes only)."""
+    return "redis_cpu_us_per_push" if mode == "tally" else f"{mode}_redis_cpu_us_per_push"
 
 
 def _width(mode: str) -> int:

@@ -53,7 +53,7 @@ FIGURES = [
         ("writes", w, f)
         for w in WORKLOADS
         for base in ("redis_cpu_us_per_push", "evalsha_per_commit", "evalsha_usec_per_call")
-        for f in (base, f"sender_{base}", f"batched_{base}")
+        for f in (base, f"sender_{base}", f"batched_{base}", f"floor_push_{base}")
     ],
     ("writes", "send_delay_ms"),
     ("flush", "flush_keys_per_s"),
@@ -368,7 +368,13 @@ def test_processes_sweep_prints_one_table_with_a_row_per_count_and_workload(swee
     assert lines[costs + 1].split()[4:] == list(MODES)
     # procs (6 wide), workload (9), the figure (16), then one column per mode
     labels = [line[15:31].strip() for line in lines[costs + 2 :] if line[:1].isdigit()]
-    assert labels[:12] == ["writer CPU µs", "backend CPU µs", "WAL bytes"] * 4
+    figures = ["writer CPU µs", "backend CPU µs", "WAL bytes", "Redis CPU µs"]
+    assert labels[:16] == figures * 4
+    # Redis's CPU is sampled for tally and floor_push: a figure in their columns, "-" elsewhere
+    redis_row = next(line for line in lines[costs + 2 :] if line[15:31].strip() == figures[3])
+    by_mode = dict(zip(MODES, redis_row.split()[5:], strict=True))  # after "Redis CPU µs"
+    assert float(by_mode["tally"]) > 0 and float(by_mode["floor_push"]) > 0
+    assert by_mode["off"] == "-"
     if POSTGRES:
         assert any(line.startswith("trigger: ") and line.endswith(": yes") for line in lines)
     else:
