@@ -68,7 +68,9 @@ def send(
 
     A push with deferred acknowledgements keeps the thread's route
     (:func:`counters.write.acks.keep_route`): its next pushes without a push
-    id take it, without deciding it again.
+    id take it, without deciding it again. Not in durable mode, where a
+    change committed with autocommit on must have its outbox row first
+    (:func:`counters.write.transactions.record` tries the route before it).
     """
     if push_id is None and not outbox and acks.send_kept(deltas, using):
         return  # the thread's route, as decided below for its push before
@@ -84,7 +86,8 @@ def send(
         if switches.defer_acks and acks.send(
             deltas, using, buffer, complete, batch=switches.write_batch
         ):
-            if recorded and switches.send_delay <= 0:  # so will the thread's next pushes
+            # so will the thread's next pushes (durable mode keeps no route: see above)
+            if recorded and switches.send_delay <= 0 and not switches.durable:
                 acks.keep_route(using, buffer, complete, switches.write_batch, epoch)
             return  # its reply is read later; ``complete`` finishes it if it failed
     elif outbox and push_id is not None and switches.defer_acks:

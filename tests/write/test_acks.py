@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from django.db import DatabaseError, connections
+from django.db import DatabaseError, connections, transaction
 from django.http import HttpResponse
 from django.test import RequestFactory
 
@@ -26,7 +26,7 @@ from counters.buffer.pushids import PushId
 from counters.client import get_buffer
 from counters.middleware import AcknowledgeMiddleware
 from counters.models import BufferLayout, FlushBatch, Outbox
-from counters.write import acks, preflight
+from counters.write import acks, delivery, preflight
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, in_redis, stored, truth
 
@@ -515,6 +515,58 @@ def test_a_threads_first_push_keeps_its_route_and_the_next_ones_take_it(make_use
     acks.acknowledge()
     assert in_redis(alice) == truth(alice) == 4
     assert fallbacks() == 0
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_a_change_committed_already_takes_the_route_without_the_send_of_a_commit(
+    make_user, monkeypatch
+):
+    """With autocommit on, the change goes from its record straight to the kept route;
+    a transaction's deltas still go through ``delivery.send`` at its COMMIT, to the
+    same line."""
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="first")  # keeps the route
+    assert route_kept()
+    sent: list[dict[str, int]] = []
+    send = delivery.send
+
+    def counted_send(deltas, using, **kwargs):
+        sent.append(dict(deltas))
+        send(deltas, using, **kwargs)
+
+    monkeypatch.setattr(delivery, "send", counted_send)
+    Notification.objects.create(recipient=alice, verb="autocommit")
+    assert sent == []
+    with transaction.atomic():
+        Notification.objects.create(recipient=alice, verb="in a transaction")
+        Notification.objects.create(recipient=alice, verb="and another")
+    assert sent == [{f"unread:{alice.pk}": 2}]
+    assert waiting() == 3  # one line: every push written, its reply unread
+    acks.acknowledge()
+    assert in_redis(alice) == truth(alice) == 4
+    assert fallbacks() == 0
+    assert_exact(alice)
+
+
+@pytest.mark.usefixtures("unread_until_asked")
+def test_durable_mode_keeps_no_route(make_user, settings):
+    """Deltas sent in durable mode without a push id of their own (as the on_commit
+    callback of a transaction that never COMMITs sends them) keep no route: the next
+    change made with autocommit on still has its outbox row."""
+    settings.COUNTERS_DURABLE = True
+    alice = make_user()
+    Notification.objects.create(recipient=alice, verb="held")
+    assert Outbox.objects.count() == 1
+    for delta in (1, -1):  # no push id of their own, adding nothing together
+        delivery.send({f"unread:{alice.pk}": delta}, "default")
+        assert not route_kept()
+    Notification.objects.create(recipient=alice, verb="held too")
+    assert Outbox.objects.count() == 2
+    acks.acknowledge()
+    counters.flush()
+    assert Outbox.objects.count() == 0
+    assert stored(alice) == truth(alice) == 2
     assert_exact(alice)
 
 
