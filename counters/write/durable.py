@@ -91,9 +91,9 @@ class OutboxHook:
         """The row of a change made with autocommit on, then its push."""
         # Its own statement, right after the change: a process killed in between loses
         # this delta until the audit repairs it (there is no transaction to join).
-        push_id = new_push_id()
+        push_id = pushids.allocate()  # sent as it is: its text is for the row alone
         try:
-            outbox.write(deltas, using, push_id)
+            outbox.write(deltas, using, str(push_id))
         except Exception:  # the change is committed: never fail the caller now
             logger.exception("could not write the outbox row of %s deltas", len(deltas))
             send(deltas, using, push_id=push_id)

@@ -39,6 +39,7 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 
 from counters.base import backends, conf
+from counters.base.utils import connection_of
 from counters.buffer.store import PUSH_MARKER_TTL_MS, Buffer
 from counters.client import get_buffer
 from counters.models import Outbox
@@ -55,14 +56,22 @@ def _table() -> str:
     return Outbox._meta.db_table
 
 
+#: The INSERT of :func:`write` per (database vendor, table): a durable write makes one per
+#: change.
+_inserts: dict[tuple[str, str], str] = {}
+
+
 def write(deltas: Mapping[str, int], using: str, push_id: str) -> None:
     """Insert the outbox row of ``deltas`` under ``push_id`` on the current transaction."""
-    conn = connections[using]
-    qn = conn.ops.quote_name
-    sql = (
-        f"INSERT INTO {qn(_table())} ({qn('push_id')}, {qn('deltas')}, {qn('created_at')}) "
-        "VALUES (%s, %s, %s)"
-    )
+    conn = connection_of(using)
+    table = _table()
+    sql = _inserts.get((conn.vendor, table))
+    if sql is None:
+        qn = conn.ops.quote_name
+        sql = _inserts[(conn.vendor, table)] = (
+            f"INSERT INTO {qn(table)} ({qn('push_id')}, {qn('deltas')}, {qn('created_at')}) "
+            "VALUES (%s, %s, %s)"
+        )
     created = conn.ops.adapt_datetimefield_value(timezone.now())
     with conn.cursor() as cursor:
         cursor.execute(sql, [push_id, json.dumps(dict(deltas)), created])
