@@ -28,10 +28,10 @@ callgrind simulates the caches (``--I1=32768,8,64 --D1=49152,12,64``, a last
 level of ``--ll-kb``, 2,048 KiB by default). Each insert then starts cold,
 and the script prints beside its instructions the last-level misses it
 makes: the cache lines of code (``ILmr``) and of data (read ``DLmr``,
-written ``DLmw``) it must fetch from memory, at about 100 cycles each, and
-their sum (``LL``). The copy's own
-instructions and misses are the same in every mode: compare modes over
-``off``, not the totals. The counts are as repeatable as the instructions.
+written ``DLmw``) it must bring back from a shared cache or from memory, 20
+to 100 ns each, and their sum (``LL``). The copy's own instructions and
+misses are the same in every mode: compare modes over ``off``, not the
+totals. Two runs of the same code agree within about 60 lines.
 
 The modes are those of ``scripts/write_cost.py`` (``counters_bench``'s). Run
 each tree of an A/B from its own directory: Celery's Django fixup puts the
