@@ -42,15 +42,6 @@ def may_have_left(exc: BaseException) -> bool:
     return not isinstance(exc, NotConnected)
 
 
-def new_push_id() -> str:
-    """A push id allocated now, before COMMIT, as text (``"<writer>:<seq>"``).
-
-    Its writer is held until :func:`send` ends the id; a caller that does not
-    send (its COMMIT failed) must :func:`counters.buffer.pushids.release` it.
-    """
-    return str(pushids.allocate())
-
-
 def send(
     deltas: Mapping[str, int],
     using: str,
@@ -113,7 +104,7 @@ def push_now(
     where the request has already succeeded.
 
     The push uses ``push_id`` when given (allocated before COMMIT with
-    :func:`new_push_id` or :func:`counters.buffer.pushids.allocate`), else a fresh id
+    :func:`counters.buffer.pushids.allocate`), else a fresh id
     of this process's pushids. Either way it ends the id:
     :func:`counters.buffer.pushids.release` if the push resolved,
     :func:`counters.buffer.pushids.retire` if it may have left without an answer. A

@@ -41,7 +41,7 @@ from counters.buffer.store import Buffer
 from counters.client import get_buffer
 from counters.models import Outbox
 from counters.write import negatives, outbox
-from counters.write.delivery import new_push_id, push_exact
+from counters.write.delivery import push_exact
 from counters.write.fallback import write_direct
 from counters.write.outbox import OUTBOX_SAFE_AGE, claim_row
 from counters.write.transactions import Sender
@@ -59,21 +59,26 @@ class OutboxHook:
     def enabled(self) -> bool:
         return conf.write_switches().durable
 
-    def hold(self, deltas: Mapping[str, int], using: str) -> str:
+    def hold(self, deltas: Mapping[str, int], using: str) -> PushId:
         """The outbox row of ``deltas`` under a new push id, on the current transaction."""
-        push_id = new_push_id()
+        push_id = pushids.allocate()  # held until the push ends it, or the COMMIT fails
         try:
-            outbox.write(deltas, using, push_id)
+            outbox.write(deltas, using, str(push_id))
         except BaseException:
             self.release(push_id)
             raise
         return push_id
 
-    def release(self, push_id: str) -> None:
-        pushids.release(PushId.parse(push_id))
+    def release(self, push_id: PushId) -> None:
+        pushids.release(push_id)
 
     def send_held(
-        self, deltas: Mapping[str, int], using: str, push_id: str, held_at: float, send: Sender
+        self,
+        deltas: Mapping[str, int],
+        using: str,
+        push_id: PushId,
+        held_at: float,
+        send: Sender,
     ) -> None:
         """Send the deltas of row ``push_id``, unless the COMMIT took longer than the grace:
         a flush may have pushed the row, so it is claimed first (:func:`push_late`)."""
@@ -83,9 +88,9 @@ class OutboxHook:
             return
         # Pushed by a claim of the row, like a flush does: the writer ends here.
         try:
-            push_late(push_id, using, late)
+            push_late(str(push_id), using, late)
         finally:
-            pushids.retire(PushId.parse(push_id))
+            pushids.retire(push_id)
 
     def send_committed(self, deltas: Mapping[str, int], using: str, send: Sender) -> None:
         """The row of a change made with autocommit on, then its push."""

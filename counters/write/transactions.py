@@ -48,6 +48,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from counters.base.utils import connection_of
+from counters.buffer.pushids import PushId
 
 logger = logging.getLogger(__name__)
 
@@ -67,17 +68,22 @@ class Durable(Protocol):
         """Is durable mode on (``COUNTERS_DURABLE``)?"""
         ...
 
-    def hold(self, deltas: Mapping[str, int], using: str) -> str:
+    def hold(self, deltas: Mapping[str, int], using: str) -> PushId:
         """Inside the transaction, right before its COMMIT: write ``deltas`` to an outbox row
         under a new push id, returned. Raises (the COMMIT must fail) with the id released."""
         ...
 
-    def release(self, push_id: str) -> None:
+    def release(self, push_id: PushId) -> None:
         """The COMMIT failed: ``push_id`` is never pushed."""
         ...
 
     def send_held(
-        self, deltas: Mapping[str, int], using: str, push_id: str, held_at: float, send: Sender
+        self,
+        deltas: Mapping[str, int],
+        using: str,
+        push_id: PushId,
+        held_at: float,
+        send: Sender,
     ) -> None:
         """After the COMMIT: send ``deltas``, held in row ``push_id`` since ``held_at``
         (``time.monotonic()``), with ``send`` under that id."""
@@ -165,7 +171,7 @@ def _state(conn: BaseDatabaseWrapper) -> _Transaction:
 def _deliver(
     conn: BaseDatabaseWrapper,
     state: _Transaction,
-    push_id: str | None = None,
+    push_id: PushId | None = None,
     written_at: float = 0.0,
 ) -> None:
     deltas, send, durable = state.take()
@@ -179,7 +185,7 @@ def _deliver(
             logger.exception("could not send %s committed deltas", len(deltas))
 
 
-def _write_outbox(conn: BaseDatabaseWrapper, state: _Transaction) -> str | None:
+def _write_outbox(conn: BaseDatabaseWrapper, state: _Transaction) -> PushId | None:
     """In durable mode, write the deltas about to commit to an outbox row; its push id.
 
     Runs inside the transaction, right before the real COMMIT. An error
