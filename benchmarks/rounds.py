@@ -140,8 +140,6 @@ def _figures(
         figures.update(kept[(workload, mode)].cost.figures(mode))
     if redis:
         figures.update(kept[(workload, "tally")].redis.figures())
-        sender = kept[(workload, "sender")].redis.figures()
-        figures.update({f"sender_{k}": v for k, v in sender.items()})
         for other in SAMPLED[1:]:
             if other in modes:
                 usage = kept[(workload, other)].redis.figures()
