@@ -207,12 +207,37 @@ class Acks:
         self.kept_batch = 1
 
     def hand_on(self, deltas: Mapping[str, int], complete: Complete, batch: int) -> bool:
-        """:func:`send` of ``deltas`` under the next push id of a writer of the line: a
-        :class:`OnePush` for one member, else :meth:`push`. False if never sent."""
+        """:func:`send` of ``deltas`` under the next push id of a writer of the line. False
+        if never sent.
+
+        The usual push, of one member, is made as a :class:`OnePush`, here: its command
+        encoded at once (:meth:`~counters.buffer.intake.Intake.wire_one`), unless it must
+        be planned (then, as any other, by :meth:`push`).
+        """
         failed = None
-        if len(deltas) == 1:  # the usual push: one member, made as a OnePush
+        if len(deltas) == 1:
             ((member, delta),) = deltas.items()
-            failed = self.push_one(member, delta, complete, batch)
+            lock = self.lock
+            lock.acquire()  # (not ``with``: the usual push's lock, at half the cost)
+            try:
+                writers = self.writers
+                writer = writers.pop() if writers else Writer()
+                seq = writer.seq + 1
+                try:
+                    wire = self.buffer.wire_one(member, delta, writer.id, seq)
+                except BaseException:
+                    writers.append(writer)  # never sent, its number never used
+                    raise
+                if wire is None:
+                    writers.append(writer)
+                else:
+                    writer.seq = seq
+                    push = OnePush(
+                        self.buffer, wire, writer, seq, member, delta, self.using, complete
+                    )
+                    failed = self._write(push, push, batch)
+            finally:
+                lock.release()
         if failed is None:
             failed = self.push(deltas, complete, batch)
             if failed is None:
@@ -242,31 +267,6 @@ class Acks:
                 return None
             push = Waiting(plan, push_id, deltas, self.using, complete, writer)
             return self._write(push, plan, batch)
-
-    def push_one(
-        self, member: str, delta: int, complete: Complete, batch: int = 1
-    ) -> list[Failed] | None:
-        """:meth:`push` of ``{member: delta}`` as a :class:`OnePush`; None if it must be
-        pushed by :meth:`push` instead (:meth:`~counters.buffer.intake.Intake.wire_one`)."""
-        lock = self.lock
-        lock.acquire()  # (not ``with``: the usual push's lock, at half the cost)
-        try:
-            writers = self.writers
-            writer = writers.pop() if writers else Writer()
-            seq = writer.seq + 1
-            try:
-                wire = self.buffer.wire_one(member, delta, writer.id, seq)
-            except BaseException:
-                writers.append(writer)  # never sent, its number never used
-                raise
-            if wire is None:
-                writers.append(writer)
-                return None
-            writer.seq = seq
-            push = OnePush(self.buffer, wire, writer, seq, member, delta, self.using, complete)
-            return self._write(push, push, batch)
-        finally:
-            lock.release()
 
     def send(self, push: Waiting, batch: int = 1) -> list[Failed]:
         """Hand ``push`` to the line; the failed pushes (of the replies read, if any were).
