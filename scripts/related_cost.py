@@ -29,6 +29,10 @@ on this machine). The models and counters are those of ``tests.blog``:
   of a blog with one post of ``--below`` comments, paused / counted: a change
   two relations up the path, moving every comment under the blog.
 
+``--modes`` runs some of them, each beside the paused mode it is measured
+over (``--modes plain_off,plain,plain_floor``: the two counters and their
+floor alone).
+
 The database must be migrated with the test settings first::
 
     createdb -h 127.0.0.1 -U postgres tally_related
@@ -124,6 +128,11 @@ def operations(below: int) -> tuple[dict[str, Callable[[], None]], PushFloor]:
     return {**ops, "plain_floor": lambda: floor(0)}, floor
 
 
+def base_of(mode: str) -> str:
+    """The mode whose paused mode ``<base>_off`` is ``mode``'s baseline."""
+    return "plain" if mode == "plain_floor" else mode.removesuffix("_off")
+
+
 def comment_deltas(comment: Any) -> dict[str, int] | None:
     """What ``post_comments`` and ``post_points`` count of a created comment."""
     if not comment.approved:
@@ -137,7 +146,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--below", type=int, default=10, help="comments under the moved post")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6393/0")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated modes to run, each counted one with its paused one (default: all)",
+    )
     args = parser.parse_args()
+    modes = tuple(m for m in MODES if m in args.modes.split(","))
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes: {', '.join(sorted(unknown))} (known: {', '.join(MODES)})")
+    unpaired = [m for m in modes if not m.endswith("_off") and f"{base_of(m)}_off" not in modes]
+    if unpaired:
+        mode = unpaired[0]
+        parser.error(f"{mode} is measured over {base_of(mode)}_off: add it to --modes")
 
     os.environ["COUNTERS_REDIS_URL"] = args.redis_url
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
@@ -161,9 +183,9 @@ def main() -> int:
         cursor.execute("SELECT pg_backend_pid()")
         backend = cursor.fetchone()[0]
 
-    results: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    results: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
-        for mode in MODES[round_ % len(MODES) :] + MODES[: round_ % len(MODES)]:
+        for mode in modes[round_ % len(modes) :] + modes[: round_ % len(modes)]:
             if mode == "plain_floor":
                 floor.begin()
             for _ in range(50):
@@ -183,7 +205,7 @@ def main() -> int:
 
     print(f"one writer, {args.inserts} changes x {args.rounds} rounds, µs per change (median)")
     print(f"{'mode':<12} {'writer':>7} {'postgres':>9} {'extra writer':>13} {'extra postgres':>15}")
-    for mode in MODES:
+    for mode in modes:
         writer = statistics.median(r[0] for r in results[mode])
         db = statistics.median(r[1] for r in results[mode])
         if mode.endswith("_off"):
