@@ -128,9 +128,9 @@ def operations(below: int) -> tuple[dict[str, Callable[[], None]], PushFloor]:
     return {**ops, "plain_floor": lambda: floor(0)}, floor
 
 
-def base_of(mode: str) -> str:
-    """The mode whose paused mode ``<base>_off`` is ``mode``'s baseline."""
-    return "plain" if mode == "plain_floor" else mode.removesuffix("_off")
+def baseline(mode: str) -> str:
+    """The paused mode that counted ``mode`` is measured over."""
+    return "plain_off" if mode == "plain_floor" else f"{mode}_off"
 
 
 def comment_deltas(comment: Any) -> dict[str, int] | None:
@@ -152,14 +152,13 @@ def main() -> int:
         help="comma-separated modes to run, each counted one with its paused one (default: all)",
     )
     args = parser.parse_args()
-    modes = tuple(m for m in MODES if m in args.modes.split(","))
-    unknown = set(args.modes.split(",")) - set(MODES)
-    if unknown:
+    asked = set(args.modes.split(","))
+    if unknown := asked - set(MODES):
         parser.error(f"unknown modes: {', '.join(sorted(unknown))} (known: {', '.join(MODES)})")
-    unpaired = [m for m in modes if not m.endswith("_off") and f"{base_of(m)}_off" not in modes]
-    if unpaired:
-        mode = unpaired[0]
-        parser.error(f"{mode} is measured over {base_of(mode)}_off: add it to --modes")
+    modes = tuple(m for m in MODES if m in asked)
+    for mode in modes:
+        if not mode.endswith("_off") and baseline(mode) not in asked:
+            parser.error(f"{mode} is measured over {baseline(mode)}: add it to --modes")
 
     os.environ["COUNTERS_REDIS_URL"] = args.redis_url
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
