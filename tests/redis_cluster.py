@@ -221,8 +221,17 @@ class RedisCluster:
         self.procs[port].send_signal(signal.SIGCONT)
 
     def masters(self) -> list[int]:
-        """Ports of the nodes that are healthy masters now."""
-        return sorted(p for p, flags in self._nodes() if "master" in flags and "fail" not in flags)
+        """Ports of the healthy masters that serve slots now.
+
+        A master whose slots went to its promoted replica (after a failover, or
+        a node timeout on a loaded machine) still says "master" until it learns
+        it was replaced: it serves no slot, and is not counted.
+        """
+        return sorted(
+            _port(fields)
+            for fields in self._cluster_nodes()
+            if "master" in fields[2] and "fail" not in fields[2] and len(fields) > 8
+        )
 
     def fail_master(self, port: int | None = None, timeout: float = 60) -> tuple[int, int]:
         """SIGKILL a master and wait until its replica is promoted: (killed, promoted)."""
