@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -173,6 +174,17 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory) -> Path:
+    """The source distribution, built from a clone like the wheel."""
+    source = clone(tmp_path_factory.mktemp("clone"))
+    out = tmp_path_factory.mktemp("sdist")
+    code = "from setuptools import build_meta as b; import sys; b.build_sdist(sys.argv[1])"
+    run(sys.executable, "-c", code, out, cwd=source, env=clean_env())
+    [built] = out.glob("*.tar.gz")
+    return built
+
+
 def test_the_wheel_holds_the_app_alone_with_every_file_it_needs(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert wheel.name.startswith("django_tally-")
@@ -193,6 +205,19 @@ def test_the_wheel_holds_the_app_alone_with_every_file_it_needs(wheel):
         next(n for n in names if n.endswith(".dist-info/METADATA"))
     )
     assert b"\nName: django-tally\n" in metadata
+    assert b"\nLicense-Expression: MIT\n" in metadata
+    assert b"\nLicense-File: LICENSE\n" in metadata
+    [license] = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert zipfile.ZipFile(wheel).read(license) == (ROOT / "LICENSE").read_bytes()
+
+
+def test_the_sdist_holds_the_license(sdist):
+    with tarfile.open(sdist) as archive:
+        names = archive.getnames()
+        [license] = [n for n in names if n.count("/") == 1 and n.endswith("/LICENSE")]
+        extracted = archive.extractfile(license)
+        assert extracted is not None and extracted.read() == (ROOT / "LICENSE").read_bytes()
+    assert any(n.endswith("/counters/buffer/lua/push.lua") for n in names)
 
 
 def test_a_new_project_counts_with_the_installed_wheel(wheel, tmp_path, counters_prefix):
