@@ -41,26 +41,26 @@ class CounterValues(Mapping[Any, int]):
 
     def __init__(self, objects: list[Any], values: dict[Any, int]) -> None:
         self.objects = objects
-        self.values = values
+        self._values = values
 
     def __getitem__(self, item: Any) -> int:
-        return self.values[_key(item)]
+        return self._values[_key(item)]
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.values)
+        return iter(self._values)
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self._values)
 
     def __contains__(self, item: object) -> bool:
-        return _key(item) in self.values
+        return _key(item) in self._values
 
     def items(self) -> list[tuple[Any, int]]:  # type: ignore[override]
         """(object as given, value) for each object of the list, in its order."""
-        return [(obj, self.values[_key(obj)]) for obj in self.objects]
+        return [(obj, self._values[_key(obj)]) for obj in self.objects]
 
     def __repr__(self) -> str:
-        return f"CounterValues({self.values!r})"
+        return f"CounterValues({self._values!r})"
 
 
 @register.simple_tag

@@ -213,6 +213,10 @@ def _audit_slices(
         if progress is not None:
             progress(min(done, total), total)
 
+    def counter_step(before: int) -> Callable[[int], None]:
+        """A counter's pages: ``before`` keys of the counters before it, then its own."""
+        return lambda checked: step(before + checked)
+
     using, waiting = result.using, layout.pending(buffer, result.using)
     if waiting:  # reads miss those deltas: a repair now would count them twice
         result.skipped = f"buffer layouts not drained yet: {'; '.join(waiting)}"
@@ -234,7 +238,7 @@ def _audit_slices(
                     confirm_delay,
                     hold,
                     using,
-                    lambda b=before, r=report: step(b + r.checked),
+                    counter_step(before),
                 )
                 step(before + slice_size)
         except LeaseLost:
@@ -304,7 +308,7 @@ def _audit_counter(
     confirm_delay: float,
     hold: AuditHold,
     using: str,
-    page_done: Callable[[], None],
+    page_done: Callable[[int], None],
 ) -> None:
     source = truth_source(spec)
     cursor, _ = AuditCursor.objects.using(using).get_or_create(counter=spec.name)
@@ -332,7 +336,7 @@ def _audit_counter(
                 cursor.after = str(after)[:KEY_LENGTH]
                 cursor.checked += len(page)
                 remaining -= len(page)
-                page_done()
+                page_done(report.checked)
             if len(page) < limit:
                 _end_sweep(cursor, report)
                 break

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from contextlib import suppress
-from typing import IO
+from typing import Any
 
 from redis import RedisError
 
@@ -23,7 +23,7 @@ WATCH_EVERY = 0.25
 class Progress:
     """A bar on a terminal; elsewhere a line every 10% (``lines``) or nothing."""
 
-    def __init__(self, stream: IO[str], tty: bool, *, noun: str = "counters", lines: bool = True):
+    def __init__(self, stream: Any, tty: bool, *, noun: str = "counters", lines: bool = True):
         self.stream = stream
         self.tty = tty
         self.noun = noun
