@@ -146,7 +146,8 @@ class CounterAdmin(admin.ModelAdmin):
 
     def counter_specs(self) -> list[CounterSpec]:
         """The counters stored in this model (or those named by ``counters``)."""
-        specs = [s for s in all_specs() if s.model is self.model]
+        label = self.model._meta.label_lower
+        specs = [s for s in all_specs() if s.model_label.lower() == label]
         if self.counters is not None:
             specs = [s for s in specs if s.name in self.counters]
         if not specs:

@@ -31,9 +31,13 @@ SCAN_LIMIT = 100_000
 ESTIMATE_ABOVE = 100_000
 
 
-def _row_count(spec: CounterSpec, using: str) -> tuple[int, bool]:
-    """(rows of the counter's table, estimated): a COUNT, or PostgreSQL's estimate if large."""
-    model = spec.model
+def _row_count(spec: CounterSpec, using: str) -> tuple[int | None, bool]:
+    """(rows of the counter's table, estimated): a COUNT, or PostgreSQL's estimate if large;
+    None for a counter whose model is not installed."""
+    try:
+        model = spec.model
+    except LookupError:
+        return None, False
     conn = connections[using]
     if conn.vendor == "postgresql":
         with conn.cursor() as cursor:
