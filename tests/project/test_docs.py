@@ -156,6 +156,7 @@ DJANGO_NAMES = {
     "urls",
     "migrations",
     "management",
+    "templatetags",
 }
 
 
