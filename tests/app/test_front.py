@@ -27,8 +27,9 @@ from tests.procs import ROOT
 OUTSIDE = ["notifications", "benchmarks", "scripts", "config"]
 
 #: Modules of counters importable outside it, where Django fixes the path (model classes,
-#: ``include("counters.urls")``), and the file each other exception is confined to.
-DJANGO_PATHS = {"counters.models", "counters.urls"}
+#: ``include("counters.urls")``, a ModelAdmin to subclass from ``counters.admin``, as
+#: ``django.contrib.auth.admin.UserAdmin``), and the file each other exception is confined to.
+DJANGO_PATHS = {"counters.models", "counters.urls", "counters.admin"}
 #: Django's way to offer another app's command under a new name is to import its Command.
 COMMANDS = ("counters.management.commands", "notifications/management/commands/")
 #: The internal parts the benchmarks drive directly, imported in this one module.
