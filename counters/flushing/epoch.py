@@ -139,9 +139,10 @@ def report_loss(buffer: Buffer, row: BufferEpoch, redis_seq: int, using: str) ->
 
     A restart loses every shard at once, and each shard's flush finds it in turn:
     the first one reads the epoch markers of all shards and logs the lost and the
-    behind ones in one message; each shard's part of the event (its shard, token and
-    sequence as the DB had them) is then remembered in Redis, and the flushes of the
-    other shards log it at INFO only.
+    behind ones in one message. Each shard's part of the event (its shard, token and
+    sequence as the DB had them) is claimed in a Redis set, by one caller only: the
+    flushes of the other shards, or lanes that found the same event at the same
+    moment, log it at INFO.
     """
     reported = _reported_key(buffer)
     if buffer.client.sismember(reported, _event(row)):
@@ -163,16 +164,23 @@ def report_loss(buffer: Buffer, row: BufferEpoch, redis_seq: int, using: str) ->
             lost.append(shard)
         elif seq < rows[shard].seq:
             behind.append((shard, seq if shard != row.shard else redis_seq))
+    # Each shard's part is claimed once (SADD answers 1 to one caller only): flushes of other
+    # shards (lanes, workers) that found the same event at the same moment log nothing again.
+    found = [*lost, *(s for s, _ in behind)]
+    pipe = buffer.client.pipeline(transaction=False)
+    for shard in found:
+        pipe.sadd(reported, _event(rows[shard]))
+    pipe.expire(reported, REPORTED_TTL)
+    claimed = pipe.execute()[:-1]
+    mine = {s for s, new in zip(found, claimed, strict=True) if new}
+    lost, behind = [s for s in lost if s in mine], [(s, q) for s, q in behind if s in mine]
     if lost:
         logger.error(LOST_MESSAGE, _shards(lost), buffer.prefix)
     if behind:
         seqs = "; ".join(f"shard {s}: {seq} of {rows[s].seq}" for s, seq in behind)
         logger.error(BEHIND_MESSAGE, _shards([s for s, _ in behind]), buffer.prefix, seqs)
-    events = [_event(rows[s]) for s in [*lost, *(s for s, _ in behind)]]
-    pipe = buffer.client.pipeline(transaction=False)
-    pipe.sadd(reported, *events)
-    pipe.expire(reported, REPORTED_TTL)
-    pipe.execute()
+    if not mine:
+        logger.info("shard %s under prefix %r: its loss was reported", row.shard, buffer.prefix)
 
 
 def raise_seq(buffer: Buffer, shard: int, floor: int) -> bool:
