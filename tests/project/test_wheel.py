@@ -89,7 +89,7 @@ admin.site.register(CustomerStats, CounterAdmin)
 SETTINGS = """
 INSTALLED_APPS += ["counters", "shop"]
 ALLOWED_HOSTS = ["testserver"]
-COUNTERS_SOCKET_TIMEOUT = 0.5
+COUNTERS_SOCKET_TIMEOUT = 0.2
 MIDDLEWARE = ["counters.middleware.AcknowledgeMiddleware", *MIDDLEWARE]
 COUNTERS_REDIS_URL = {redis_url!r}
 COUNTERS_KEY_PREFIX = {prefix!r}
