@@ -196,12 +196,12 @@ lint: install-test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
 # The documentation site (mkdocs.yml, docs/) into site/: broken links, missing references and
 # any warning fail it. `.venv/bin/mkdocs serve` shows it at http://127.0.0.1:8000/ while editing.
 docs: install-test
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 flush: install
 	$(BIN)/python manage.py notification_update_counter
