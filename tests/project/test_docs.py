@@ -332,3 +332,14 @@ def test_lint_builds_the_site_strictly():
     assert "mkdocs build --strict" in lint
     assert MKDOCS["strict"] is True
     assert "make lint" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_api_page_documents_every_public_name():
+    import counters
+
+    api = (ROOT / "docs" / "reference" / "api.md").read_text()
+    for name in counters.__all__:
+        module = counters._EXPORTS[name]
+        assert f"::: {module}.{name}\n" in api or (
+            f"::: {module}\n" in api and f"        - {name}\n" in api
+        ), name
