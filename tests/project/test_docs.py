@@ -351,3 +351,11 @@ def test_the_checks_page_lists_every_check_id():
     assert len(ids) >= 50  # the pattern still matches the code's ids
     checks = (ROOT / "docs" / "reference" / "checks.md").read_text()
     assert {i for i in ids if f"| `{i}` |" not in checks} == set()
+
+
+@pytest.mark.parametrize(
+    "setting", [s for s in conf.SETTINGS.values() if s.default is not None], ids=lambda s: s.name
+)
+def test_the_settings_table_states_each_default(setting):
+    default = f"{setting.default:g}" if isinstance(setting.default, float) else setting.default
+    assert f"| `{setting.name}` | `{default}` |" in section("Settings", CONFIGURATION)
