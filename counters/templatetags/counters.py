@@ -6,7 +6,7 @@
     {% counter "post_comments" post.pk as n %}         the same, kept in ``n``
     {% counters "post_comments" posts as comments %}   every post's value, in one read
     {% for post in posts %}{{ comments|get:post }}{% endfor %}
-    {% for post, n in comments.items %}...{% endfor %}
+    {% for pk, n in comments.items %}...{% endfor %}
 
 A key is what :func:`counters.get_value` takes; a model instance stands for its
 primary key. ``{% counters %}`` reads every key of the list at once
@@ -36,7 +36,7 @@ class CounterValues(Mapping[Any, int]):
     """The values of one counter for the objects of a list, read at once.
 
     ``values[post]`` and ``values[post.pk]`` are the same value; iterating gives
-    the keys in the list's order, ``items()`` the objects as given with their value.
+    the keys in the list's order, ``items()`` (key, value) pairs; ``objects`` is the list.
     """
 
     def __init__(self, objects: list[Any], values: dict[Any, int]) -> None:
@@ -54,10 +54,6 @@ class CounterValues(Mapping[Any, int]):
 
     def __contains__(self, item: object) -> bool:
         return _key(item) in self._values
-
-    def items(self) -> list[tuple[Any, int]]:  # type: ignore[override]
-        """(object as given, value) for each object of the list, in its order."""
-        return [(obj, self._values[_key(obj)]) for obj in self.objects]
 
     def __repr__(self) -> str:
         return f"CounterValues({self._values!r})"
