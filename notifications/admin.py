@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from django.contrib import admin, messages
-from django.contrib.admin.views.main import ChangeList
-from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from counters.admin import CounterAdmin
+
 from .models import Notification, NotificationQuerySet, UnreadCounter
-from .repair import repair_users, truth_counts
 
 
 @admin.register(Notification)
@@ -39,90 +36,14 @@ class NotificationAdmin(admin.ModelAdmin):
         self.message_user(request, f"{changed} notifications marked unread.", messages.SUCCESS)
 
 
-class CounterChangeList(ChangeList):
-    """Reads exact values and truth for a whole page at once, not one row at a time."""
-
-    def get_results(self, request: HttpRequest) -> None:
-        super().get_results(request)
-        ids = [obj.pk for obj in self.result_list]
-        exact = UnreadCounter.objects.get_counts(ids)
-        truth = truth_counts(ids)
-        for obj in self.result_list:
-            obj.exact_value = exact[obj.pk]
-            obj.truth_value = truth[obj.pk]
-
-
 @admin.register(UnreadCounter)
-class UnreadCounterAdmin(admin.ModelAdmin):
-    list_display = ("user", "stored", "pending", "exact", "truth", "in_sync")
+class UnreadCounterAdmin(CounterAdmin):
+    """Stored, pending, exact, truth and in-sync columns and the rebuild action: the
+    library's :class:`~counters.admin.CounterAdmin`, with the user searchable."""
+
+    list_display = ("user",)
     list_select_related = ("user",)
     search_fields = ("user__username",)
     search_help_text = "Search by username."
-    fields = ("user", "stored", "pending", "exact", "truth")
-    readonly_fields = fields
-    actions = ("rebuild",)
-
-    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
-        return CounterChangeList
-
-    def _exact(self, obj: UnreadCounter) -> int:
-        cached = obj.__dict__  # one reading per row and request
-        if "exact_value" not in cached:
-            cached["exact_value"] = obj.exact()
-        return int(cached["exact_value"])
-
-    def _truth(self, obj: UnreadCounter) -> int:
-        cached = obj.__dict__
-        if "truth_value" not in cached:
-            cached["truth_value"] = truth_counts([obj.pk])[obj.pk]
-        return int(cached["truth_value"])
-
-    @admin.display(description="stored", ordering="count")
-    def stored(self, obj: UnreadCounter) -> int:
-        return obj.count
-
-    @admin.display(description="pending (buffered)")
-    def pending(self, obj: UnreadCounter) -> int:
-        return self._exact(obj) - obj.count
-
-    @admin.display(description="exact (stored + pending)")
-    def exact(self, obj: UnreadCounter) -> int:
-        return self._exact(obj)
-
-    @admin.display(description="truth (COUNT)")
-    def truth(self, obj: UnreadCounter) -> int:
-        return self._truth(obj)
-
-    @admin.display(description="in sync", boolean=True)
-    def in_sync(self, obj: UnreadCounter) -> bool:
-        return self._exact(obj) == self._truth(obj)
-
-    @admin.action(
-        description="Rebuild selected counters from the notifications",
-        permissions=["rebuild"],
-    )
-    def rebuild(self, request: HttpRequest, queryset: QuerySet[UnreadCounter]) -> None:
-        results = repair_users(queryset.values_list("pk", flat=True))
-        wrong = [(pk, before, truth) for pk, before, truth in results if before != truth]
-        if not wrong:
-            self.message_user(request, f"{len(results)} counters checked; all were exact.")
-            return
-        details = ", ".join(f"user {pk}: {before} → {truth}" for pk, before, truth in wrong)
-        self.message_user(
-            request,
-            f"{len(results)} counters checked; {len(wrong)} repaired ({details}).",
-            messages.WARNING,
-        )
-
-    def has_rebuild_permission(self, request: HttpRequest) -> bool:
-        return request.user.has_perm("notifications.change_unreadcounter")
-
-    # Rows change only through the flush: no adding, editing or deleting here.
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    #: Seconds between the readings that confirm a drift (see counters.rebuild).
+    rebuild_confirm_delay = 0.5

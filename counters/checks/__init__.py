@@ -3,7 +3,11 @@
 Importing this package registers them all (``CountersConfig.ready()``).
 """
 
-from counters.checks.deployment import check_redis_eviction, check_redis_reachable
+from counters.checks.deployment import (
+    check_redis_eviction,
+    check_redis_persistence,
+    check_redis_reachable,
+)
 from counters.checks.project import (
     check_acknowledge_middleware,
     check_databases,
@@ -19,6 +23,7 @@ __all__ = [
     "check_databases",
     "check_metrics_dir",
     "check_redis_eviction",
+    "check_redis_persistence",
     "check_redis_reachable",
     "check_routes",
     "check_settings",

@@ -1,4 +1,5 @@
-"""``check --deploy``: the Redis the settings name answers and keeps every key (no eviction)."""
+"""``check --deploy``: the Redis the settings name answers, keeps every key (no eviction) and
+keeps something on disk."""
 
 from __future__ import annotations
 
@@ -34,7 +35,12 @@ EVICTS_ANY = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 
 def _eviction_policies(client: Any) -> set[str]:
     """``maxmemory-policy`` of the Redis behind ``client`` (of every node of a cluster)."""
-    reply = client.config_get("maxmemory-policy")
+    return _config(client, "maxmemory-policy")
+
+
+def _config(client: Any, parameter: str) -> set[str]:
+    """The values of ``parameter`` on the Redis behind ``client`` (every node of a cluster)."""
+    reply = client.config_get(parameter)
     found: set[str] = set()
 
     def text(value: Any) -> str:
@@ -43,7 +49,7 @@ def _eviction_policies(client: Any) -> set[str]:
     def walk(value: Any) -> None:  # a cluster answers {node: {name: value}}
         if isinstance(value, dict):
             for name, item in value.items():
-                if text(name) == "maxmemory-policy":
+                if text(name) == parameter:
                     found.add(text(item))
                 else:
                     walk(item)
@@ -94,3 +100,27 @@ def check_redis_eviction(app_configs=None, **kwargs):
                 )
             )
     return messages
+
+
+@register("counters", deploy=True)
+def check_redis_persistence(app_configs=None, **kwargs):
+    """W020: Redis keeps nothing on disk (``appendonly no`` and ``save ""``), so a restart
+    loses every buffered delta. Nothing when CONFIG is refused or Redis is unreachable."""
+    try:
+        client = get_client()
+        appendonly, save = _config(client, "appendonly"), _config(client, "save")
+    except RedisError:
+        return []
+    if "yes" in appendonly or not appendonly or any(s.strip() for s in save):
+        return []
+    return [
+        Warning(
+            f'Redis at {conf.redis_where()} keeps nothing on disk (appendonly no, save ""): '
+            "a restart loses every buffered delta, and their counts stay wrong until the "
+            "rebuild the flush starts.",
+            hint="Enable appendonly (appendfsync everysec) or RDB snapshots in Redis; set "
+            "COUNTERS_DURABLE = True to lose nothing on a restart, and keep the periodic "
+            "audit (COUNTERS_AUDIT_INTERVAL) to repair what a loss left wrong.",
+            id="counters.W020",
+        )
+    ]

@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 REBUILD_COMMAND = "manage.py counters_rebuild"
 
 LOST_MESSAGE = (
-    "Redis lost the buffer of shard %s under prefix %r (its epoch marker is gone or replaced: "
+    "Redis lost the buffer of %s under prefix %r (their epoch markers are gone or replaced: "
     "Redis restarted without persistence, was flushed, or failed over to an empty "
     "replica). Deltas buffered there before now are lost, so some counters are wrong "
     f"until a full rebuild completes: `{REBUILD_COMMAND}` (the flush runs it itself "
@@ -61,12 +61,15 @@ LOST_MESSAGE = (
 )
 
 BEHIND_MESSAGE = (
-    "Redis went back in time in shard %s under prefix %r: its batch sequence is %s but "
-    "the DB has applied up to %s (Redis restarted from an old snapshot, or failed over to "
+    "Redis went back in time in %s under prefix %r: its batch sequence is behind what the "
+    "DB has applied (%s; Redis restarted from an old snapshot, or failed over to "
     "a lagging replica). Deltas applied since then are pending again and deltas pushed "
     "since then are gone, so some counters are wrong until a full rebuild completes: "
     f"`{REBUILD_COMMAND}` (the flush runs it itself unless COUNTERS_AUTO_REBUILD is off)."
 )
+
+#: Seconds a loss event stays known as reported (its other shards are then not logged again).
+REPORTED_TTL = 7 * 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -106,10 +109,7 @@ def record_loss(buffer: Buffer, shard: int, using: str, redis_seq: int) -> None:
     epochs = BufferEpoch.objects.using(using).filter(prefix=buffer.prefix, shard=shard)
     row = epochs.get()
     token = ensure_token(buffer, shard)
-    if token != row.token:
-        logger.error(LOST_MESSAGE, shard, buffer.prefix)
-    else:
-        logger.error(BEHIND_MESSAGE, shard, buffer.prefix, redis_seq, row.seq)
+    report_loss(buffer, row, redis_seq, using)
     now = timezone.now()
     epochs.update(
         token=token,
@@ -119,6 +119,68 @@ def record_loss(buffer: Buffer, shard: int, using: str, redis_seq: int) -> None:
         rebuild_needed_since=Coalesce(F("rebuild_needed_since"), now),
     )
     raise_seq(buffer, shard, row.seq)
+
+
+def _shards(shards: list[int]) -> str:
+    return f"shard {shards[0]}" if len(shards) == 1 else f"shards {', '.join(map(str, shards))}"
+
+
+def _reported_key(buffer: Buffer) -> str:
+    return f"{buffer.prefix}:losses_reported"
+
+
+def _event(row: BufferEpoch) -> str:
+    """One shard's part of a loss event: the shard and what the DB knew of it then."""
+    return f"{row.shard}:{row.token}:{row.seq}"
+
+
+def report_loss(buffer: Buffer, row: BufferEpoch, redis_seq: int, using: str) -> None:
+    """Log a loss event once, naming every shard it hit, when its first shard is found.
+
+    A restart loses every shard at once, and each shard's flush finds it in turn:
+    the first one reads the epoch markers of all shards and logs the lost and the
+    behind ones in one message. Each shard's part of the event (its shard, token and
+    sequence as the DB had them) is claimed in a Redis set, by one caller only: the
+    flushes of the other shards, or lanes that found the same event at the same
+    moment, log it at INFO.
+    """
+    reported = _reported_key(buffer)
+    if buffer.client.sismember(reported, _event(row)):
+        logger.info("shard %s under prefix %r: its loss was reported", row.shard, buffer.prefix)
+        return
+    rows = {e.shard: e for e in BufferEpoch.objects.using(using).filter(prefix=buffer.prefix)}
+    rows[row.shard] = row
+    pipe = buffer.client.pipeline(transaction=False)
+    for shard in sorted(rows):
+        pipe.get(buffer.key(shard, "epoch"))
+        pipe.get(buffer.key(shard, "seq"))
+    replies = pipe.execute()
+    lost, behind = [], []
+    for i, shard in enumerate(sorted(rows)):
+        token, seq = to_str(replies[2 * i]), int(replies[2 * i + 1] or 0)
+        if shard == row.shard:
+            seq = min(seq, redis_seq, row.seq - 1)  # what the check saw: behind if not lost
+        if token != rows[shard].token:
+            lost.append(shard)
+        elif seq < rows[shard].seq:
+            behind.append((shard, seq if shard != row.shard else redis_seq))
+    # Each shard's part is claimed once (SADD answers 1 to one caller only): flushes of other
+    # shards (lanes, workers) that found the same event at the same moment log nothing again.
+    found = [*lost, *(s for s, _ in behind)]
+    pipe = buffer.client.pipeline(transaction=False)
+    for shard in found:
+        pipe.sadd(reported, _event(rows[shard]))
+    pipe.expire(reported, REPORTED_TTL)
+    claimed = pipe.execute()[:-1]
+    mine = {s for s, new in zip(found, claimed, strict=True) if new}
+    lost, behind = [s for s in lost if s in mine], [(s, q) for s, q in behind if s in mine]
+    if lost:
+        logger.error(LOST_MESSAGE, _shards(lost), buffer.prefix)
+    if behind:
+        seqs = "; ".join(f"shard {s}: {seq} of {rows[s].seq}" for s, seq in behind)
+        logger.error(BEHIND_MESSAGE, _shards([s for s, _ in behind]), buffer.prefix, seqs)
+    if not mine:
+        logger.info("shard %s under prefix %r: its loss was reported", row.shard, buffer.prefix)
 
 
 def raise_seq(buffer: Buffer, shard: int, floor: int) -> bool:

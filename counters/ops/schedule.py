@@ -6,7 +6,8 @@ import logging
 from typing import Any
 
 from django.apps import apps
-from django.db import DEFAULT_DB_ALIAS, router
+from django.conf import settings
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, router
 
 from counters.base import conf
 
@@ -112,3 +113,45 @@ def ensure_audit_task_after_migrate(using: str = DEFAULT_DB_ALIAS, **kwargs: Any
     if using != router.db_for_write(PeriodicTask):
         return
     ensure_audit_task(using=using)
+
+
+def _beat_entries(task: str) -> list[str]:
+    """How Celery beat runs ``task``: one description per enabled entry (none: not at all).
+
+    Reads django-celery-beat's enabled ``PeriodicTask`` rows and the static
+    ``CELERY_BEAT_SCHEDULE`` setting; a missing table (beat's migrations not run)
+    counts as no entry.
+    """
+    found = []
+    schedule = getattr(settings, "CELERY_BEAT_SCHEDULE", None) or {}
+    for entry in schedule.values():
+        if isinstance(entry, dict) and entry.get("task") == task:
+            every = entry.get("schedule")
+            found.append(f"every {every:g}s" if isinstance(every, int | float) else "on a schedule")
+    if apps.is_installed("django_celery_beat"):
+        from django_celery_beat.models import PeriodicTask
+
+        rows = PeriodicTask.objects.using(router.db_for_read(PeriodicTask))
+        try:
+            for every, period in rows.filter(task=task, enabled=True).values_list(
+                "interval__every", "interval__period"
+            ):
+                found.append(
+                    f"every {every}s" if period == "seconds" and every else "on a schedule"
+                )
+        except DatabaseError:  # the table is not there: nothing schedules it through beat
+            pass
+    return found
+
+
+def schedule_status() -> dict[str, Any]:
+    """Whether Celery beat runs the flush and the audit, and how often.
+
+    ``{"flush": {"beat": [...]}, "audit": {"beat": [...], "interval": N}}``: ``beat`` lists
+    the enabled beat entries (``"every 10s"``), empty when nothing in beat runs the task (then
+    cron must: ``manage.py counters_flush``, ``manage.py counters_audit``).
+    """
+    return {
+        "flush": {"beat": _beat_entries(TASK_NAME)},
+        "audit": {"beat": _beat_entries(AUDIT_TASK_NAME), "interval": conf.audit_interval()},
+    }

@@ -21,6 +21,7 @@ from counters.flushing.epoch import REBUILD_COMMAND
 from counters.flushing.waits import blocked_flushes
 from counters.models import AuditCursor, AuditRepair, BufferEpoch, FlushBatch
 from counters.ops.fanout import FLUSHED_AT, last_run, run_key
+from counters.ops.schedule import schedule_status
 from counters.read import backfill
 from counters.verify.audit import audited_specs
 from counters.write import sender
@@ -50,7 +51,10 @@ def shard_status(buffer: Buffer, now_ms: int) -> list[dict[str, Any]]:
             {
                 "shard": shard,
                 "pending_keys": pending,
-                "lag_seconds": round((now_ms - int(since)) / 1000, 3) if since else 0.0,
+                # Only what is pending lags: an empty set's mark is left over, not a lag.
+                "lag_seconds": (
+                    round((now_ms - int(since)) / 1000, 3) if since and pending else 0.0
+                ),
                 "inflight_batch": batch.get("id"),
                 "inflight_keys": inflight,
                 "inflight_age_seconds": (
@@ -240,6 +244,7 @@ def gather(buffer: Buffer, using: str = DEFAULT_DB_ALIAS) -> dict[str, Any]:
             "counters": quarantine.by_counter(quarantined),
         },
         "audit": audit_status(using),
+        "schedule": schedule_status(),
         "backfill": backfill.status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe_mode(),
@@ -264,6 +269,7 @@ def gather_without_redis(
         "epoch": epoch,
         "layouts": layout.status(buffer, using, live=False),
         "audit": audit_status(using),
+        "schedule": schedule_status(),
         "backfill": backfill.status(using),
         "outbox": outbox_summary(using),
         "write_path": sender.describe_mode(),

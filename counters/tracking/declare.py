@@ -20,7 +20,13 @@ carrying one of the check ids of :data:`CHECK_IDS`, before anything is registere
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import logging
+import re
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from django.apps import apps
 from django.core.exceptions import FieldDoesNotExist
@@ -47,7 +53,7 @@ CHECK_IDS = {
     "counters.E013": "a source model whose default manager is not counted",
     "counters.E014": "a counter name already registered with other arguments",
     "counters.E015": "an into model with no key field matching the key",
-    "counters.E016": "an invalid counter name",
+    "counters.E016": "an invalid counter name, or an unknown or missing keyword",
     "counters.E045": "a base manager (Meta.base_manager_name) that is not counted",
     "counters.E046": "a proxy or multi-table relative whose default manager is not counted",
     "counters.E050": "an into model with a NOT NULL column the flush cannot fill",
@@ -60,7 +66,41 @@ CHECK_IDS = {
     "counters.E057": "a many-to-many through model whose rows Django writes uncounted",
 }
 
+#: What a counter name may hold: it is part of Redis members, metric labels and URLs.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _keywords_checked(func: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Arguments that do not fit ``func``'s signature raise a :class:`TrackingError`
+    naming the valid keywords (and the closest one), not a bare ``TypeError``."""
+    signature = inspect.signature(func)
+    valid = [n for n, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY]
+
+    @functools.wraps(func)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            name = str(args[0] if args else kwargs.get("name", "?"))
+            unknown = [k for k in kwargs if k not in signature.parameters]
+            problem = str(exc)
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], valid, n=1)
+                problem = f"unknown keyword {unknown[0]!r}" + (
+                    f" (did you mean {close[0]!r}?)" if close else ""
+                )
+            raise TrackingError(
+                "counters.E016", name, f"{problem}; the keywords are {', '.join(valid)}"
+            ) from None
+        return func(*args, **kwargs)
+
+    return checked
+
+
+@_keywords_checked
 def track(
     name: str,
     model: type[models.Model] | str,
@@ -85,8 +125,10 @@ def track(
     """
     if not apps.models_ready:  # one clear error, not the registry's own from deep inside
         raise TrackedTooEarly(str(name))
-    if not isinstance(name, str) or not name or ":" in name:
-        raise TrackingError("counters.E016", str(name), "a name is a non-empty string without ':'")
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise TrackingError(
+            "counters.E016", str(name), "a name is made of letters, digits, '_', '.' and '-'"
+        )
     source = _source_model(name, model)
     through_problem = m2m.refusal(source)
     if through_problem:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -161,8 +162,12 @@ def audit(
     names: list[str] | None = None,
     slice_size: int | None = None,
     confirm_delay: float | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> AuditResult:
     """One audit run of database ``using``: the next slice of keys of every audited counter.
+
+    ``progress(done, total)`` is called after each page of keys checked: ``total`` is
+    the slice of every counter, and a counter whose sweep ends early counts as done.
 
     ``slice_size`` defaults to ``COUNTERS_AUDIT_SLICE``, ``confirm_delay`` to
     the rebuild's (``2 * COUNTERS_SOCKET_TIMEOUT + 0.2`` s), and is never
@@ -185,7 +190,7 @@ def audit(
     started = time.monotonic()
     buffer = get_buffer(using)
     try:
-        _audit_slices(buffer, result, specs, slice_size, confirm_delay)
+        _audit_slices(buffer, result, specs, slice_size, confirm_delay, progress)
     except RedisError as exc:
         raise BufferUnavailable(conf.redis_where(), exc) from exc
     finally:
@@ -199,8 +204,19 @@ def _audit_slices(
     specs: list[CounterSpec],
     slice_size: int,
     confirm_delay: float,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """The body of :func:`audit`: each counter's next slice, under the rebuild lease."""
+    total = slice_size * len(specs)
+
+    def step(done: int) -> None:
+        if progress is not None:
+            progress(min(done, total), total)
+
+    def counter_step(before: int) -> Callable[[int], None]:
+        """A counter's pages: ``before`` keys of the counters before it, then its own."""
+        return lambda checked: step(before + checked)
+
     using, waiting = result.using, layout.pending(buffer, result.using)
     if waiting:  # reads miss those deltas: a repair now would count them twice
         result.skipped = f"buffer layouts not drained yet: {'; '.join(waiting)}"
@@ -211,10 +227,20 @@ def _audit_slices(
             result.skipped = f"a rebuild or another audit holds {lease.key}"
             return
         try:
-            for spec in specs:
+            for i, spec in enumerate(specs):
                 report = CounterAudit(spec.name)
                 result.counters.append(report)
-                _audit_counter(spec, report, slice_size, confirm_delay, hold, using)
+                before = i * slice_size
+                _audit_counter(
+                    spec,
+                    report,
+                    slice_size,
+                    confirm_delay,
+                    hold,
+                    using,
+                    counter_step(before),
+                )
+                step(before + slice_size)
         except LeaseLost:
             result.stopped = f"the lease {lease.key} expired"
             logger.warning("audit of %r stopped: its lease %s expired", using, lease.key)
@@ -282,6 +308,7 @@ def _audit_counter(
     confirm_delay: float,
     hold: AuditHold,
     using: str,
+    page_done: Callable[[int], None],
 ) -> None:
     source = truth_source(spec)
     cursor, _ = AuditCursor.objects.using(using).get_or_create(counter=spec.name)
@@ -309,6 +336,7 @@ def _audit_counter(
                 cursor.after = str(after)[:KEY_LENGTH]
                 cursor.checked += len(page)
                 remaining -= len(page)
+                page_done(report.checked)
             if len(page) < limit:
                 _end_sweep(cursor, report)
                 break

@@ -20,7 +20,7 @@ from django.db import OperationalError
 from django.utils import timezone
 from redis.exceptions import ResponseError
 
-from counters.checks import check_redis_eviction
+from counters.checks import check_redis_eviction, check_redis_persistence
 from counters.client import buffer_prefix, get_buffer, get_client
 from counters.flushing import shard as flusher
 from counters.management.commands.counters_flush import Command as FlushCommand
@@ -376,3 +376,31 @@ def test_unreachable_redis_is_left_to_w001(settings):
     settings.COUNTERS_REDIS_URL = REDIS_DOWN
     settings.COUNTERS_SOCKET_TIMEOUT = 0.5
     assert check_redis_eviction() == []
+
+
+@pytest.mark.redis
+@pytest.mark.serial
+@pytest.mark.parametrize(
+    ("config", "ids"),
+    [
+        pytest.param({}, ["counters.W020"], id="nothing-on-disk"),
+        pytest.param({"save": "3600 1"}, [], id="snapshots"),
+    ],
+)
+def test_check_deploy_warns_about_a_redis_that_keeps_nothing_on_disk(own_redis, config, ids):
+    client = get_client()
+    for name, value in config.items():
+        client.config_set(name, value)
+    messages = check_redis_persistence()
+    assert [m.id for m in messages] == ids
+    if ids:
+        assert 'keeps nothing on disk (appendonly no, save "")' in messages[0].msg
+        assert "COUNTERS_DURABLE" in messages[0].hint and "audit" in messages[0].hint
+
+
+@pytest.mark.redis
+def test_no_persistence_warning_when_config_is_refused():
+    client = get_client()
+    refused = ResponseError("unknown command 'CONFIG'")
+    with mock.patch.object(type(client), "config_get", side_effect=refused):
+        assert check_redis_persistence() == []

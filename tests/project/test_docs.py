@@ -161,6 +161,7 @@ DJANGO_NAMES = {
     "urls",
     "migrations",
     "management",
+    "templatetags",
 }
 
 

@@ -53,3 +53,11 @@ def test_the_wheel_ships_every_subpackage_of_counters():
         if "__pycache__" not in path.parts
     }
     assert folders <= shipped()
+
+
+def test_the_license_is_mit_and_ships_in_the_sdist_and_the_wheel():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License\n\nCopyright (c) 2026 The Tally authors\n")
+    assert config["project"]["license"] == "MIT"
+    assert config["project"]["license-files"] == ["LICENSE"]

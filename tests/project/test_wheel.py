@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -75,8 +76,20 @@ class ShopConfig(AppConfig):
         )
 """
 
+ADMIN = """\
+from django.contrib import admin
+
+from counters.admin import CounterAdmin
+
+from .models import CustomerStats
+
+admin.site.register(CustomerStats, CounterAdmin)
+"""
+
 SETTINGS = """
 INSTALLED_APPS += ["counters", "shop"]
+ALLOWED_HOSTS = ["testserver"]
+COUNTERS_SOCKET_TIMEOUT = 0.2
 MIDDLEWARE = ["counters.middleware.AcknowledgeMiddleware", *MIDDLEWARE]
 COUNTERS_REDIS_URL = {redis_url!r}
 COUNTERS_KEY_PREFIX = {prefix!r}
@@ -114,6 +127,50 @@ Order.objects.filter(customer=bob).first().delete()
 order = Order.objects.get(customer=cat)
 order.paid = True
 order.save()
+"""
+
+
+#: The admin's columns, its rebuild action, and both template tags, with bob's new order pending.
+ADMIN_AND_TAGS = """
+import json, re
+import counters
+from django.contrib.auth.models import User
+from django.db import connection
+from django.template import engines
+from django.test import Client
+from shop.models import Customer, CustomerStats, Order
+
+ann, bob = Customer.objects.get(name="ann"), Customer.objects.get(name="bob")
+Order.objects.create(customer=bob, paid=True)
+client = Client()
+client.force_login(User.objects.create_superuser("admin", "admin@example.com", "pw"))
+page = client.get("/admin/shop/customerstats/").content.decode()
+parts = ("stored", "pending", "exact", "truth")
+cells = {p: re.findall(rf'<td class="field-paid_orders_{p}">(.*?)</td>', page) for p in parts}
+columns = {p: values[::-1] for p, values in cells.items()}  # newest row first: ann first
+with connection.cursor() as cursor:
+    cursor.execute(
+        "UPDATE shop_customerstats SET paid_orders = 40 WHERE customer_id = %s", [ann.pk]
+    )
+rows = [s.pk for s in CustomerStats.objects.all()]
+done = client.post(
+    "/admin/shop/customerstats/",
+    {"action": "rebuild_selected", "_selected_action": rows},
+    follow=True,
+)
+template = engines["django"].from_string(
+    '{% load counters %}{% counters "paid_orders" customers as paid %}'
+    '{% for c in customers %}{{ c.name }}={% counter "paid_orders" c %}/{{ paid|get:c }} '
+    '{% endfor %}'
+)
+customers = [*Customer.objects.order_by("pk"), Customer.objects.create(name="dan")]
+print(json.dumps({
+    "columns": columns,
+    "message": re.findall(r"\\d+ counters checked[^<]*", done.content.decode()),
+    "ann": counters.get_value("paid_orders", ann.pk),
+    "rendered": template.render({"customers": customers}),
+    "ann_key": ann.pk,
+}))
 """
 
 
@@ -173,6 +230,17 @@ def wheel(tmp_path_factory) -> Path:
     return built
 
 
+@pytest.fixture(scope="module")
+def sdist(tmp_path_factory) -> Path:
+    """The source distribution, built from a clone like the wheel."""
+    source = clone(tmp_path_factory.mktemp("clone"))
+    out = tmp_path_factory.mktemp("sdist")
+    code = "from setuptools import build_meta as b; import sys; b.build_sdist(sys.argv[1])"
+    run(sys.executable, "-c", code, out, cwd=source, env=clean_env())
+    [built] = out.glob("*.tar.gz")
+    return built
+
+
 def test_the_wheel_holds_the_app_alone_with_every_file_it_needs(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert wheel.name.startswith("django_tally-")
@@ -193,6 +261,19 @@ def test_the_wheel_holds_the_app_alone_with_every_file_it_needs(wheel):
         next(n for n in names if n.endswith(".dist-info/METADATA"))
     )
     assert b"\nName: django-tally\n" in metadata
+    assert b"\nLicense-Expression: MIT\n" in metadata
+    assert b"\nLicense-File: LICENSE\n" in metadata
+    [license] = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert zipfile.ZipFile(wheel).read(license) == (ROOT / "LICENSE").read_bytes()
+
+
+def test_the_sdist_holds_the_license(sdist):
+    with tarfile.open(sdist) as archive:
+        names = archive.getnames()
+        [license] = [n for n in names if n.count("/") == 1 and n.endswith("/LICENSE")]
+        extracted = archive.extractfile(license)
+        assert extracted is not None and extracted.read() == (ROOT / "LICENSE").read_bytes()
+    assert any(n.endswith("/counters/buffer/lua/push.lua") for n in names)
 
 
 def test_a_new_project_counts_with_the_installed_wheel(wheel, tmp_path, counters_prefix):
@@ -208,6 +289,7 @@ def test_a_new_project_counts_with_the_installed_wheel(wheel, tmp_path, counters
     run(python, "manage.py", "startapp", "shop", cwd=site, env=env)
     (site / "shop" / "models.py").write_text(MODELS)
     (site / "shop" / "apps.py").write_text(APPS)
+    (site / "shop" / "admin.py").write_text(ADMIN)
     with (site / "mysite" / "settings.py").open("a") as settings:
         settings.write(SETTINGS.format(redis_url=conf.redis_url(), prefix=counters_prefix))
     env["DJANGO_SETTINGS_MODULE"] = "mysite.settings"
@@ -223,3 +305,16 @@ def test_a_new_project_counts_with_the_installed_wheel(wheel, tmp_path, counters
     assert flushed.startswith("flushed "), flushed
     after = last_json(run(*manage, "shell", "-c", COUNTS, cwd=site, env=env))
     assert after == {"value": [4, 1, 1], "stored": [4, 1, 1], "truth": [4, 1, 1]}
+
+    used = last_json(run(*manage, "shell", "-c", ADMIN_AND_TAGS, cwd=site, env=env))
+    assert used["columns"] == {  # bob's new paid order is pending
+        "stored": ["4", "1", "1"],
+        "pending": ["0", "1", "0"],
+        "exact": ["4", "2", "1"],
+        "truth": ["4", "2", "1"],
+    }
+    assert used["message"] == [
+        f"3 counters checked; 1 repaired (paid_orders {used['ann_key']}: 40 → 4)."
+    ]
+    assert used["ann"] == 4
+    assert used["rendered"] == "ann=4/4 bob=2/2 cat=1/1 dan=0/0 "

@@ -75,7 +75,10 @@ def isolated_trackers(monkeypatch):
         pytest.param(
             {"into": "blog.Comment.points"}, "counters.E015", "pointing to blog.Post", id="key"
         ),
-        pytest.param({"name": "a:b"}, "counters.E016", "without ':'", id="name"),
+        pytest.param({"name": "a:b"}, "counters.E016", "letters, digits", id="name"),
+        pytest.param({"name": "post comments"}, "counters.E016", "letters", id="name-space"),
+        pytest.param({"name": "café"}, "counters.E016", "letters", id="name-accent"),
+        pytest.param({"name": ""}, "counters.E016", "letters", id="name-empty"),
     ],
 )
 def test_a_mistake_raises_improperly_configured_with_its_check_id(kwargs, check_id, words):
@@ -88,6 +91,30 @@ def test_a_mistake_raises_improperly_configured_with_its_check_id(kwargs, check_
     assert check_id in CHECK_IDS
     assert str(error).startswith(f"{check_id}: counter ")
     assert words in error.problem
+    assert "comments2" not in {t.name for t in trackers.all_trackers()}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        pytest.param(
+            {"wher": Q(approved=True)},
+            "unknown keyword 'wher' (did you mean 'where'?); the keywords are key, into, where, "
+            "amount",
+            id="misspelled",
+        ),
+        pytest.param({"colour": "red"}, "unknown keyword 'colour'; the keywords", id="unknown"),
+        pytest.param({"into": None}, "argument: 'into'; the keywords are key", id="missing"),
+    ],
+)
+def test_a_wrong_keyword_raises_a_tracking_error_naming_the_valid_ones(kwargs, words):
+    args = {"key": "post", "into": STATS, **kwargs}
+    args = {k: v for k, v in args.items() if v is not None}
+    with pytest.raises(TrackingError) as info:
+        counters.track("comments2", Comment, **args)
+    assert info.value.check_id == "counters.E016"
+    assert info.value.counter == "comments2"
+    assert words in info.value.problem
     assert "comments2" not in {t.name for t in trackers.all_trackers()}
 
 

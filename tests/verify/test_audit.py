@@ -454,8 +454,9 @@ def test_status_shows_the_audit(drifted, settings):
     out = StringIO()
     call_command("counters_status", stdout=out)
     lines = out.getvalue().splitlines()
-    assert "audit: every 10s, 1000 keys per counter a run; repairs 1 (1 in 24 h, last " in (
-        "\n".join(lines)
+    assert (
+        "audit: every 10s by Celery beat, 1000 keys per counter a run; repairs 1 (1 in 24 h, "
+        "last " in "\n".join(lines)
     )
     assert any(
         line.startswith(f"  unread: sweep 1 after key {drifted[1].pk} (2 keys so far), ")

@@ -10,7 +10,6 @@ from django.db import connection
 
 import counters
 from notifications.models import Notification, UnreadCounter
-from notifications.repair import repair_users
 from tests.helpers import assert_exact, stored, truth
 from tests.web.conftest import notify
 
@@ -99,9 +98,10 @@ def test_counter_list_shows_stored_pending_exact_and_truth(staff, alice):
     notify(alice, 3)
     Notification.objects.filter(recipient=alice).first().mark_read()
     html = staff.get(COUNTERS).content.decode()
-    assert (cell(html, "stored"), cell(html, "pending"), cell(html, "exact")) == ("2", "2", "4")
-    assert cell(html, "truth") == str(truth(alice)) == "4"
-    assert 'alt="True"' in cell(html, "in_sync")
+    parts = ("count_stored", "count_pending", "count_exact")
+    assert tuple(cell(html, part) for part in parts) == ("2", "2", "4")
+    assert cell(html, "count_truth") == str(truth(alice)) == "4"
+    assert 'alt="True"' in cell(html, "count_in_sync")
     detail = staff.get(f"{COUNTERS}{alice.pk}/change/").content.decode()
     assert "pending (buffered)" in detail.lower()
     assert staff.get(f"{COUNTERS}add/").status_code == 403
@@ -114,32 +114,33 @@ def test_rebuild_action_repairs_drift_through_the_delta_path(staff, alice, bob):
     set_stored(alice, 10)
     html = staff.get(COUNTERS).content.decode()
     assert 'alt="False"' in html  # alice's row is out of sync
-    response = staff.post(
-        COUNTERS, {"action": "rebuild", "_selected_action": [alice.pk, bob.pk]}, follow=True
-    )
+    selected = {"action": "rebuild_selected", "_selected_action": [alice.pk, bob.pk]}
+    response = staff.post(COUNTERS, selected, follow=True)
     page = response.content.decode()
-    assert "2 counters checked; 1 repaired (user " in page
-    assert f"user {alice.pk}: 10 → 3" in page
+    assert f"2 counters checked; 1 repaired (unread {alice.pk}: 10 → 3)." in page
     assert UnreadCounter.objects.get_count(alice) == 3  # exact at once
     assert stored(alice) == 10  # the repair is a delta, applied by the flush
     assert_exact(alice, bob)
     response = staff.post(
-        COUNTERS, {"action": "rebuild", "_selected_action": [alice.pk]}, follow=True
+        COUNTERS, {"action": "rebuild_selected", "_selected_action": [alice.pk]}, follow=True
     )
     assert "1 counters checked; all were exact." in response.content.decode()
 
 
-def test_repair_users_reports_exact_before_and_truth(alice, bob, make_user):
+def test_rebuild_reports_exact_before_and_truth_of_each_wrong_row(staff, alice, bob):
     notify(alice, 2)
-    carol = make_user("carol")  # no notifications and no counter row
+    notify(bob, 1)
     counters.flush()
     set_stored(alice, -4)
-    assert repair_users([alice.pk, bob.pk, carol.pk]) == [
-        (alice.pk, -4, 2),
-        (bob.pk, 0, 0),
-        (carol.pk, 0, 0),
-    ]
-    assert_exact(alice, bob, carol)
+    set_stored(bob, 3)
+    response = staff.post(
+        COUNTERS, {"action": "rebuild_selected", "_selected_action": [alice.pk, bob.pk]}
+    )
+    assert response.status_code == 302
+    page = staff.get(COUNTERS).content.decode()
+    assert "2 counters checked; 2 repaired (" in page
+    assert f"unread {alice.pk}: -4 → 2" in page and f"unread {bob.pk}: 3 → 1" in page
+    assert_exact(alice, bob)
 
 
 def test_rebuild_needs_the_change_permission(make_member, logged_in, alice):
@@ -149,9 +150,9 @@ def test_rebuild_needs_the_change_permission(make_member, logged_in, alice):
     counters.flush()
     client = logged_in(viewer)
     html = client.get(COUNTERS).content.decode()
-    assert 'value="rebuild"' not in html
+    assert 'value="rebuild_selected"' not in html
     set_stored(alice, 5)
-    client.post(COUNTERS, {"action": "rebuild", "_selected_action": [alice.pk]})
+    client.post(COUNTERS, {"action": "rebuild_selected", "_selected_action": [alice.pk]})
     assert UnreadCounter.objects.get_count(alice) == 5  # nothing was repaired
 
 

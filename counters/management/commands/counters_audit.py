@@ -12,6 +12,7 @@ does nothing when a rebuild or another audit of the same database runs.
 Prints one JSON line per repair (``counter``, ``key``, ``stored``,
 ``buffered``, ``truth``) and one summary line per database, or with
 ``--json`` one object (an object per alias when several are audited).
+On a terminal a bar on stderr shows the keys checked (none with ``--json``).
 Exit status: 0 when the run completed (repairs included) or was skipped
 because a rebuild or another audit runs; 1 on errors (Redis or the
 database unreachable, a bad argument): one readable line on stderr, and
@@ -29,6 +30,7 @@ from django.db import connections
 from counters.base.exceptions import UnknownCounter
 from counters.client import flushed_databases
 from counters.management.commands._failures import OneLineFailures, failure, failure_data
+from counters.management.commands._progress import Progress
 from counters.verify.audit import AuditResult, audit, audited_specs
 from counters.verify.drift import NoTruthSource
 
@@ -70,9 +72,14 @@ class Command(OneLineFailures):
             raise CommandError(f"{exc}; it cannot be audited") from None
         aliases = [alias] if alias is not None else flushed_databases()
         results: dict[str, AuditResult] = {}
+        tty = not options["json"] and self.stderr.isatty()
         try:
             for name in aliases:
-                results[name] = audit(name, names=names, slice_size=size)
+                progress = Progress(self.stderr._out, tty, noun="keys", lines=False)
+                try:
+                    results[name] = audit(name, names=names, slice_size=size, progress=progress)
+                finally:
+                    progress.close()
         except Exception as exc:
             if options["json"]:
                 self.stdout.write(json.dumps(failure_data(exc)))

@@ -16,6 +16,8 @@ Exit status:
   layout are not drained yet; the summary still goes to stdout, and one line
   per layout to stderr. Takes precedence over 4: no repair runs until then.
 
+On a terminal a bar on stderr shows the keys applied of the backlog found at the start
+(none with ``--json``, nor when stderr is not a terminal).
 ``--database`` flushes only that alias; without it, every alias of
 ``counters.client.flushed_databases()``. ``--retry-quarantined`` first puts the deltas
 the quarantine holds back into the buffer (a delta that fails again is
@@ -28,13 +30,16 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import AbstractContextManager, nullcontext
 
 from django.core.management.base import CommandError
 from django.db import connections
 
 from counters.base.exceptions import FlushFailed
+from counters.client import flushed_databases, get_buffer
 from counters.flushing.epoch import REBUILD_COMMAND
 from counters.management.commands._failures import OneLineFailures, failure, failure_data
+from counters.management.commands._progress import BacklogWatch, Progress
 from counters.ops.run import flush, flush_databases
 
 FAILED = 1
@@ -74,6 +79,14 @@ class Command(OneLineFailures):
             help="Drop the quarantined deltas for good (the audit repairs from the truth).",
         )
 
+    def watch(self, alias: str | None, as_json: bool) -> AbstractContextManager[object]:
+        """On a terminal (and without ``--json``), a bar of the keys applied so far."""
+        if as_json or not self.stderr.isatty():
+            return nullcontext()
+        aliases = [alias] if alias is not None else flushed_databases()
+        buffers = list({b.prefix: b for b in map(get_buffer, aliases)}.values())
+        return BacklogWatch(buffers, Progress(self.stderr._out, True, noun="keys applied"))
+
     def handle(self, *args, **options) -> None:
         budget = options["time_budget"]
         if budget is not None and budget <= 0:
@@ -86,10 +99,11 @@ class Command(OneLineFailures):
             "discard_quarantined": options["discard_quarantined"],
         }
         try:
-            if alias is None:
-                results = flush_databases(time_budget=budget, **quarantined)
-            else:
-                results = {alias: flush(using=alias, time_budget=budget, **quarantined)}
+            with self.watch(alias, options["json"]):
+                if alias is None:
+                    results = flush_databases(time_budget=budget, **quarantined)
+                else:
+                    results = {alias: flush(using=alias, time_budget=budget, **quarantined)}
         except Exception as exc:
             if options["json"]:
                 self.stdout.write(json.dumps(self.failure_data(exc)))

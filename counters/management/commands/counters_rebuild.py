@@ -40,35 +40,11 @@ from counters.client import get_buffer
 from counters.flushing import epoch
 from counters.flushing.fence import Fence
 from counters.management.commands._failures import OneLineFailures, failure, failure_data
+from counters.management.commands._progress import Progress
 from counters.verify.hold import rebuild_lease, wait_for_audit
 from counters.verify.rebuild import RebuildReport, rebuild, rebuild_all
 
 DRIFT_FOUND = 3
-
-
-class Progress:
-    """A bar on a terminal, a log line every 10% elsewhere."""
-
-    def __init__(self, stream, tty: bool) -> None:
-        self.stream = stream
-        self.tty = tty
-        self.next_step = 0.1
-
-    def __call__(self, done: int, total: int) -> None:
-        fraction = done / total if total else 1.0
-        if self.tty:
-            filled = int(fraction * 30)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total}")
-            self.stream.flush()
-        elif fraction >= self.next_step or done == total:
-            self.stream.write(f"checked {done}/{total} counters ({fraction:.0%})\n")
-            self.stream.flush()
-            while self.next_step <= fraction:
-                self.next_step += 0.1
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
 
 
 class Command(OneLineFailures):

@@ -103,7 +103,8 @@ class Command(OneLineFailures):
         lines += self.blocked_lines(status["blocked_flushes"])
         lines += self.quarantine_lines(status["quarantine"])
         lines.append(self.ledger_line(status["ledger"]))
-        lines += self.audit_lines(status["audit"])
+        lines.append(self.flush_schedule_line(status["schedule"]["flush"]))
+        lines += self.audit_lines(status["audit"], status["schedule"]["audit"])
         lines.append(self.outbox_line(status["outbox"]))
         lines.append("shard  pending  lag(s)  in-flight batch (keys, age s)        lease (expires)")
         for s in status["shards"]:
@@ -135,7 +136,8 @@ class Command(OneLineFailures):
         lines += self.blocked_lines(status["blocked_flushes"])
         lines.append(self.ledger_line(status["ledger"]))
         lines.append(f"unsettled direct writes: {status['ledger']['unsettled_fallbacks']}")
-        lines += self.audit_lines(status["audit"])
+        lines.append(self.flush_schedule_line(status["schedule"]["flush"]))
+        lines += self.audit_lines(status["audit"], status["schedule"]["audit"])
         lines.append(self.outbox_line(status["outbox"]))
         return "\n".join(lines)
 
@@ -166,9 +168,21 @@ class Command(OneLineFailures):
         )
 
     @staticmethod
-    def audit_lines(audit: dict) -> list[str]:
+    def flush_schedule_line(flush: dict) -> str:
+        """What runs the flush: Celery beat's entries, or nothing this project can see."""
+        if flush["beat"]:
+            return f"flush: {', '.join(flush['beat'])} by Celery beat"
+        return "flush: not scheduled by Celery beat; run `manage.py counters_flush` from cron"
+
+    @staticmethod
+    def audit_lines(audit: dict, schedule: dict) -> list[str]:
         """The audit's schedule, where each counter's sweep is, and its repairs."""
-        every = f"every {audit['interval']}s" if audit["interval"] else "periodic audit off"
+        if not audit["interval"]:
+            every = "periodic audit off (COUNTERS_AUDIT_INTERVAL)"
+        elif schedule["beat"]:
+            every = f"{', '.join(schedule['beat'])} by Celery beat"
+        else:
+            every = "not scheduled by Celery beat; run `manage.py counters_audit` from cron"
         repairs = audit["repairs"]
         lines = [
             f"audit: {every}, {audit['slice']} keys per counter a run; repairs "
