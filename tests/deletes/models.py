@@ -45,14 +45,33 @@ class CodeStats(models.Model):
 
 
 class PairStats(models.Model):
-    """A composite counter per (person, post author), in fields of the team's own names."""
+    """A composite counter per (writer, post), in fields of the team's own names."""
 
     who = models.ForeignKey(Person, on_delete=models.CASCADE, related_name="+")
-    whose = models.ForeignKey(Person, on_delete=models.CASCADE, related_name="+")
+    on = models.ForeignKey("Post", on_delete=models.CASCADE, related_name="+")
     n = models.BigIntegerField(default=0)
 
     class Meta:
-        constraints = [models.UniqueConstraint("who", "whose", name="deletes_pair_unique")]
+        constraints = [models.UniqueConstraint(fields=["who", "on"], name="deletes_pair_unique")]
+
+    def __str__(self) -> str:
+        return str(self.pk)
+
+
+class TwoWayStats(models.Model):
+    """Two unique constraints that could each store a (writer, post) key: ambiguous."""
+
+    a = models.ForeignKey(Person, on_delete=models.CASCADE, related_name="+")
+    b = models.ForeignKey("Post", on_delete=models.CASCADE, related_name="+")
+    c = models.ForeignKey(Person, on_delete=models.CASCADE, related_name="+")
+    d = models.ForeignKey("Post", on_delete=models.CASCADE, related_name="+")
+    n = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["a", "b"], name="deletes_two_ab"),
+            models.UniqueConstraint(fields=["c", "d"], name="deletes_two_cd"),
+        ]
 
     def __str__(self) -> str:
         return str(self.pk)
