@@ -39,4 +39,4 @@ COUNTERS_DATABASES = ["default"]
 COUNTERS_DEFER_ACKS = False
 
 # The counters app's own test app: a blog counting its comments with counters.track().
-INSTALLED_APPS = [*INSTALLED_APPS, "tests.blog"]
+INSTALLED_APPS = [*INSTALLED_APPS, "tests.blog", "tests.deletes"]

@@ -21,7 +21,7 @@ from counters.tracking.trackers import all_trackers, tracked_models
 def check_trackers(app_configs=None, **kwargs):
     """Every tracked model counts its querysets: E013 for its default manager, W002 for others.
 
-    Each declaration is checked again as ``track()`` checks it (E050 to E057): a
+    Each declaration is checked again as ``track()`` checks it (E050 to E058): a
     counter registered into its column since, or a model changed since.
     """
     messages: list[CheckMessage] = []

@@ -49,9 +49,9 @@ from counters.buffer.lease import Lease
 from counters.buffer.pushids import PushId
 from counters.buffer.store import Buffer, Snapshot
 from counters.client import get_buffer
-from counters.models import FALLBACK_PREFIX, FlushBatch
+from counters.models import FALLBACK_PREFIX, FlushBatch, Tombstone
 from counters.read import backfill
-from counters.write import acks, sender, transactions
+from counters.write import acks, natural_keys, sender, transactions
 from counters.write import negatives as repair
 from counters.write.sender import Sender
 
@@ -290,6 +290,9 @@ def _read_rows(spec: CounterSpec, keys: list, batch_ids: set[str], using: str) -
             f"WHERE {ledger_pk} IN ({', '.join(['%s'] * len(ids))})"
         )
         params += ids
+    tombs = _tombstones(spec, keys, nulls, conn)  # a natural key's: row + tombstone + buffer
+    sql += tombs[0]
+    params += tombs[1]
     # The JSON as text on every backend (MySQL casts to CHAR, not TEXT). Only direct writes
     # are unsettled: the kind lets MySQL, which has no partial index, use counters_fallback.
     text = "CHAR" if conn.vendor == "mysql" else "TEXT"
@@ -300,11 +303,15 @@ def _read_rows(spec: CounterSpec, keys: list, batch_ids: set[str], using: str) -
     params.append(FlushBatch.Kind.FALLBACK.value)
     rows = _Rows({}, set(), {})
     width = len(key_cols)
+    texts = {str(key): key for key in keys}
     with conn.cursor() as cursor:
         cursor.execute(sql, params)
         for row in cursor.fetchall():
             value, batch_id, unsettled = row[width:]
-            if batch_id is None:
+            if unsettled == TOMBSTONE:  # batch_id holds the key as text
+                key = texts[batch_id]
+                rows.stored[key] = rows.stored.get(key, 0) + int(value)
+            elif batch_id is None:
                 key = row[0] if width == 1 else tuple(row[:width])
                 rows.stored[spec.to_key(key)] = int(value)
             elif unsettled is None:
@@ -313,3 +320,26 @@ def _read_rows(spec: CounterSpec, keys: list, batch_ids: set[str], using: str) -
                 deltas = json.loads(unsettled) if isinstance(unsettled, str) else unsettled
                 rows.unsettled[batch_id.removeprefix(FALLBACK_PREFIX)] = deltas
     return rows
+
+
+#: The marker of a tombstone's line in :func:`_read_rows`.
+TOMBSTONE = "tombstone"
+
+
+def _tombstones(spec: CounterSpec, keys: list, nulls: str, conn: Any) -> tuple[str, list]:
+    """The part of :func:`_read_rows`' statement reading the tombstones of ``keys``.
+
+    A counter keyed by a natural key: while its parent is deleted, or back
+    by a route that does not take its tombstone (``bulk_create()``,
+    ``update()``, a rename), the tombstone is part of the value until a
+    flush folds it into the row (:mod:`counters.write.natural_keys`).
+    """
+    if spec.codec is not None or not natural_keys.reusable(spec) or not keys:
+        return "", []
+    qn = conn.ops.quote_name
+    table = qn(Tombstone._meta.db_table)
+    sql = (
+        f" UNION ALL SELECT {nulls}{qn('value')}, {qn('key')}, %s FROM {table} "
+        f"WHERE counter = %s AND {qn('key')} IN ({', '.join(['%s'] * len(keys))})"
+    )
+    return sql, [TOMBSTONE, spec.name, *(str(key) for key in keys)]

@@ -32,11 +32,12 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from django.db import DatabaseError, NotSupportedError, connections, models, router, transaction
+from django.db import DatabaseError, NotSupportedError, models, router, transaction
 from django.dispatch import Signal
 
 from counters.base.context import already_counted, is_paused
-from counters.base.utils import concrete_model, connection_of, target_field
+from counters.base.utils import concrete_model, connection_of
+from counters.tracking.deletes import UNKNOWN, deleted_row
 from counters.tracking.follow import with_related
 from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
 from counters.tracking.trackers import (
@@ -53,10 +54,11 @@ logger = logging.getLogger(__name__)
 #: Sent with ``sender`` (the model), ``old``, ``new`` and ``using`` after rows of a tracked
 #: model changed, inside the transaction: ``old`` and ``new`` are lists of
 #: ``{attname: value}`` of the tracked fields (a created row is only in ``new``, a deleted
-#: one only in ``old``); ``using`` is the database alias. The rows were locked while they
-#: were read, so ``new - old`` is exactly what the change did. Its receiver
-#: (:func:`count_rows`) adds that difference to every counter tracking ``sender``; other
-#: receivers may watch it too (an audit log, a cache to drop).
+#: one only in ``old``); ``using`` is the database alias; ``resolved`` (optional, False)
+#: says ``old`` carries the values of its related paths already, read before a delete.
+#: The rows were locked while they were read, so ``new - old`` is exactly what the change
+#: did. Its receiver (:func:`count_rows`) adds that difference to every counter tracking
+#: ``sender``; other receivers may watch it too (an audit log, a cache to drop).
 rows_changed = Signal()
 
 #: Instance attribute holding what ``pre_delete`` read, for ``post_delete``.
@@ -68,16 +70,22 @@ def count(
     old: Iterable[Mapping[str, Any] | None],
     new: Iterable[Mapping[str, Any] | None],
     using: str,
+    resolved: bool = False,
 ) -> None:
     """Add ``new - old`` of every counter tracking ``model``, once the transaction commits.
 
     The deltas of all its counters go together: one push for the change.
+    ``resolved``: ``old`` carries the values of its related paths already (read
+    before a delete began, :mod:`counters.tracking.deletes`).
     """
     old, new = list(old), list(new)
     trackers = trackers_for(model)
     if any(tracker.related for tracker in trackers):
-        both = with_related(model, old + new, using)  # one locking read: in key order
-        old, new = both[: len(old)], both[len(old) :]
+        if resolved:
+            new = with_related(model, new, using)
+        else:
+            both = with_related(model, old + new, using)  # one locking read: in key order
+            old, new = both[: len(old)], both[len(old) :]
     members: dict[str, int] = {}
     for tracker in trackers:
         tracker.add_members(members, old, new)
@@ -290,60 +298,23 @@ def before_delete(
     origin: Any = None,
     **kwargs: Any,
 ) -> None:
-    """``pre_delete`` (inside Django's delete transaction): lock the row and keep it."""
+    """``pre_delete`` (inside Django's delete transaction): the row as the delete found it.
+
+    Read with the values of its related paths before any statement of the
+    delete runs (:func:`~counters.tracking.deletes.deleted_row`), so the order
+    in which Django then deletes or nulls its relatives changes nothing.
+    """
     instance.__dict__.pop(_DELETING, None)
     if is_paused() or not trackers_for(sender) or instance.pk is None:
         return
     if already_counted(sender, instance.pk):
         return  # a counted queryset delete counts it
     using = using or router.db_for_write(sender, instance=instance)
-    row = _cascaded_row(sender, instance, using, origin)
-    if row is _UNKNOWN:
+    row: Any = deleted_row(sender, instance.pk, using)
+    if row is UNKNOWN:  # not through a collector's delete(): read it now
         found = locked_rows(plain(sender, using).filter(pk=instance.pk))
-        row = found[0][1] if found else None
+        row = with_related(sender, [found[0][1] if found else None], using)[0]
     instance.__dict__[_DELETING] = (using, row)
-
-
-_UNKNOWN = object()
-#: Connection attribute: (Django's delete transaction, {(model, key attname, key): {pk: row}}).
-_CASCADE = "_counters_cascade"
-
-
-def _cascaded_row(model: type[models.Model], instance: models.Model, using: str, origin: Any):
-    """The locked row of ``instance`` if its parent ``origin`` is being deleted, else _UNKNOWN.
-
-    A cascade from a parent deletes all its rows: they are locked and read in
-    one statement at the first of them, not one by one. The rows read are
-    kept for the rest of this delete transaction only (Django opens one per
-    delete). A row the statement did not find under that parent (moved away
-    meanwhile: Django deletes it by primary key all the same) is read alone.
-    """
-    if not isinstance(origin, models.Model) or origin is instance:
-        return _UNKNOWN
-    conn = connections[using]
-    if not conn.atomic_blocks:
-        return _UNKNOWN
-    for tracker in trackers_for(model):
-        parent = tracker.parent_model
-        if parent is None or tracker.related_key or not isinstance(origin, parent):
-            continue
-        attname = tracker.key_field.attname
-        value = getattr(origin, target_field(tracker.key_field).attname)
-        if value is None or instance.__dict__.get(attname) != value:
-            continue
-        block = conn.atomic_blocks[-1]
-        cache: tuple[Any, dict[tuple[Any, ...], dict[Any, Any]]] | None
-        cache = conn.__dict__.get(_CASCADE)
-        if cache is None or cache[0] is not block:
-            cache = conn.__dict__[_CASCADE] = (block, {})
-        concrete = concrete_model(model)
-        parents: dict[tuple[Any, ...], dict[Any, Any]] = cache[1]
-        rows = parents.get((concrete, attname, value))
-        if rows is None:
-            children = plain(concrete, using).filter(**{attname: value})
-            rows = parents[(concrete, attname, value)] = dict(locked_rows(children))
-        return rows.pop(instance.pk, _UNKNOWN)
-    return _UNKNOWN
 
 
 def after_delete(
@@ -354,7 +325,7 @@ def after_delete(
     if deleting is None:
         return
     using, old = deleting
-    count(sender, [old], [], using)
+    count(sender, [old], [], using, resolved=True)
 
 
 # -- rows_changed ------------------------------------------------------------------
@@ -365,7 +336,8 @@ def count_rows(
     old: Iterable[Mapping[str, Any]],
     new: Iterable[Mapping[str, Any]],
     using: str,
+    resolved: bool = False,
     **kwargs: Any,
 ) -> None:
     """The receiver of :data:`rows_changed`: count ``new - old``."""
-    count(sender, old, new, using)
+    count(sender, old, new, using, resolved)

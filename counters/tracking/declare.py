@@ -64,6 +64,7 @@ CHECK_IDS = {
     "counters.E055": "a composite key whose parts cannot be read or stored",
     "counters.E056": "a related key or where through an uncounted model, two relations or a cycle",
     "counters.E057": "a many-to-many through model whose rows Django writes uncounted",
+    "counters.E058": "a composite key that several unique constraints of into could store",
 }
 
 #: What a counter name may hold: it is part of Redis members, metric labels and URLs.
@@ -173,7 +174,7 @@ def _composite(
         parts = keys.parse_parts(source, key)
         stored = keys.into_fields(into_model, parts)
     except keys.KeyProblem as exc:
-        raise TrackingError(keys.CHECK_ID, name, str(exc)) from None
+        raise TrackingError(exc.check_id, name, str(exc)) from None
     plain = _validate(name, source, str(key), parts[0].field, into, where, amount, {})
     if plain.related:
         raise TrackingError(

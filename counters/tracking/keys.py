@@ -9,7 +9,9 @@ The ``into`` model has one field per part, named as the path with ``__``
 written ``_`` (``recipient``; ``created_date`` for ``created__date``), of the
 part's kind (a foreign key to the same model, a ``DateField`` for a date),
 under one unique constraint over exactly those fields, so that the flush can
-create its rows with an upsert. :class:`CompositeTracker` reads a key from a
+create its rows with an upsert. Without fields of those names, the parts go
+in order to the fields of the one unique constraint that can store them
+(``counters.E058`` if several can). :class:`CompositeTracker` reads a key from a
 row, :class:`CompositeTruth` counts the truth with SQL grouped by the parts
 (the dates by ``TruncDate`` in the current time zone).
 """
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import reduce
 from operator import or_
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from django.conf import settings
 from django.core.exceptions import FieldDoesNotExist, ImproperlyConfigured
@@ -41,6 +43,18 @@ CHECK_ID = "counters.E055"
 
 class KeyProblem(ValueError):
     """A composite key's problem, as a sentence (raised as ``counters.E055``)."""
+
+    check_id = CHECK_ID
+
+
+#: The check id of a composite key that several unique constraints of ``into`` could store.
+AMBIGUOUS_ID = "counters.E058"
+
+
+class AmbiguousKey(KeyProblem):
+    """Several unique constraints of the ``into`` model can store a composite key's parts."""
+
+    check_id = AMBIGUOUS_ID
 
 
 @dataclass(frozen=True)
@@ -109,7 +123,34 @@ def _part(model: type[models.Model], path: str) -> KeyPart:
 
 
 def into_fields(into_model: type[models.Model], parts: Sequence[KeyPart]) -> list[models.Field]:
-    """The fields of ``into_model`` that store ``parts``, checked; raises :class:`KeyProblem`."""
+    """The fields of ``into_model`` that store ``parts``, checked; raises :class:`KeyProblem`.
+
+    A part goes to the field named as its path (``__`` written ``_``). If
+    ``into_model`` lacks one of those, the parts go, in order, to the fields
+    of its one unique constraint of as many fields that can store them
+    (``UniqueConstraint(fields=["author", "day"])`` for ``("author",
+    "at__date")``); two such constraints are refused (:class:`AmbiguousKey`).
+    """
+    names = {f.name for f in into_model._meta.get_fields()}
+    if not all(part.into_name in names for part in parts):
+        fitting = [
+            fields
+            for fields in _unique_sets(into_model)
+            if len(fields) == len(parts)
+            and all(
+                _mismatch(part, cast(models.Field, into_model._meta.get_field(name))) is None
+                for part, name in zip(parts, fields, strict=True)
+            )
+        ]
+        if len(fitting) > 1:
+            raise AmbiguousKey(
+                f"{into_model._meta.label} has no fields named as the key parts "
+                f"({', '.join(p.into_name for p in parts)}) and several unique constraints "
+                f"that can store them in order: {', '.join(map(str, fitting))}; keep one, "
+                "or name the fields as the parts"
+            )
+        if fitting:
+            return [cast(models.Field, into_model._meta.get_field(n)) for n in fitting[0]]
     label = into_model._meta.label
     found: list[models.Field] = []
     for part in parts:
@@ -118,7 +159,8 @@ def into_fields(into_model: type[models.Model], parts: Sequence[KeyPart]) -> lis
         except FieldDoesNotExist:
             raise KeyProblem(
                 f"{label} has no field {part.into_name!r} to store key part {part.path!r} "
-                "(a part is stored in the field named as its path, '__' written '_')"
+                "(a part is stored in the field named as its path, '__' written '_', or, "
+                "in order, in the fields of a unique constraint that can store the parts)"
             ) from None
         problem = _mismatch(part, cast(models.Field, field))
         if problem:
@@ -181,6 +223,8 @@ def _unique_sets(model: type[models.Model]) -> list[tuple[str, ...]]:
 @dataclass(frozen=True, eq=False)
 class CompositeTracker(Tracker):
     """A tracker whose key is a tuple of ``parts`` (``key_field``: the first part's field)."""
+
+    plannable: ClassVar[bool] = False  # a key of several parts: counted from its row
 
     parts: tuple[KeyPart, ...] = ()
     into_keys: tuple[models.Field, ...] = ()

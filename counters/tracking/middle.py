@@ -22,7 +22,9 @@ a change of a middle row for the rows further out: a change at any depth
 either waits for them and its aggregate sees their rows, or they wait for
 it and read its new values. A deleted middle row needs no route of its own:
 the rows below it are deleted (``CASCADE``) or updated (``SET_NULL``)
-through their own counted paths while it still exists.
+through their own counted paths; a deleted row below counts from what its
+paths read before the delete began (:mod:`counters.tracking.deletes`), and a
+move of a middle row during that delete leaves it out.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from django.db import connections, models, router, transaction
 
 from counters.base.context import is_paused
 from counters.base.utils import batched, concrete_model, model_field
+from counters.tracking.deletes import being_deleted, sorted_pks
 from counters.tracking.follow import path_values
 from counters.tracking.paths import Hop
 from counters.tracking.rows import CHUNK, Row, plain
@@ -229,14 +232,12 @@ def _move_rows(
     group = [a for a in tracker.attnames if a != lookup]
     group += [hop.path for hop in chain.above(depth)]
     member = tracker.spec.member
+    gone = being_deleted(tracker.model, using)  # a running delete counts these (deletes.py)
     for chunk in batched(sorted(changes), CHUNK):
-        rows = (
-            plain(tracker.model, using)
-            .filter(**{f"{lookup}__in": chunk})
-            .order_by()
-            .values(lookup, *group)
-            .annotate(_counters_n=models.Count("pk"))
-        )
+        below = plain(tracker.model, using).filter(**{f"{lookup}__in": chunk})
+        if gone:
+            below = below.exclude(pk__in=sorted_pks(gone))
+        rows = below.order_by().values(lookup, *group).annotate(_counters_n=models.Count("pk"))
         for found in rows:
             n = found.pop("_counters_n")
             before, after = changes[found[lookup]]

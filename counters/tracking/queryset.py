@@ -22,6 +22,8 @@ from django.db import NotSupportedError, models, transaction
 from counters.base.context import counted_rows, is_paused
 from counters.base.utils import batched, model_field
 from counters.tracking.counting import rows_changed
+from counters.tracking.deletes import being_deleted
+from counters.tracking.follow import with_related
 from counters.tracking.middle import counted_update
 from counters.tracking.relatives import (
     count_relatives,
@@ -88,6 +90,9 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
             for chunk in batched(pks, CHUNK):
                 changed += target.filter(pk__in=chunk).update(**kwargs)
             if touches(model, kwargs):
+                if moved is None:  # rows a running delete deletes: it counts them (deletes.py)
+                    gone = being_deleted(model, using)
+                    locked = [(pk, row) for pk, row in locked if pk not in gone]
                 old = [row for _, row in locked]
                 new: list[dict[str, Any]] | None
                 if moved is not None:
@@ -95,8 +100,9 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
                 else:
                     new = _updated(model, old, kwargs)
                 if new is None:  # expressions: the database computed the new values
-                    new = read_rows(model, pks, using)
-                rows_changed.send(sender=model, old=old, new=new, using=using)
+                    new = read_rows(model, [pk for pk, _ in locked], using)
+                if old or new:
+                    rows_changed.send(sender=model, old=old, new=new, using=using)
             count_relatives(before, pks, using)
         self._result_cache = None
         return changed
@@ -120,6 +126,8 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
                 lock_roots(model, self.values("pk"), using)
             locked = locked_rows(self)
             pks = [pk for pk, _ in locked]
+            # their related paths read now, before the cascades delete or null anything
+            old = with_related(model, [row for _, row in locked], using)
             target = plain(model, using)
             # Django deletes row by row underneath (signals, cascades): those
             # rows are counted here, the cascades by their own receivers.
@@ -129,7 +137,7 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
                     total += deleted
                     per_model.update(by_model)
             if locked:
-                rows_changed.send(sender=model, old=[row for _, row in locked], new=[], using=using)
+                rows_changed.send(sender=model, old=old, new=[], using=using, resolved=True)
         self._result_cache = None
         return total, dict(per_model)
 

@@ -35,6 +35,8 @@ parents and children and their proxies):
   counted one instead (a :class:`~counters.CountedQuerySet` of every row). A
   named base manager must be counted itself, or ``track()`` refuses
   (``counters.E045``).
+- The collector's ``delete()``: the rows it deletes are read, with their
+  related paths, before any of its statements (:mod:`counters.tracking.deletes`).
 - The collector's updates by primary key. ``SET(callable)`` loads the rows
   and Django updates them with a raw ``UpdateQuery``: :func:`install_collector`
   turns such rows back into a queryset of the (counted) base manager.
@@ -73,6 +75,7 @@ from counters.tracking.counting import (
     needs_transaction,
     read_before_parents,
 )
+from counters.tracking.deletes import collecting
 from counters.tracking.middle import middle_save_table
 from counters.tracking.queryset import CountedManager, CountedQuerySet
 from counters.tracking.relatives import (
@@ -301,14 +304,24 @@ def _rows_to_update(collector: Collector, field: models.Field, objs: Any) -> Any
 
 
 def install_collector() -> None:
-    """Route the deletion collector's field updates of counted rows through ``update()``."""
+    """Route the deletion collector's field updates of counted rows through ``update()``,
+    and read what its deletes count before any of its statements runs (``deletes.py``)."""
     if getattr(Collector.add_field_update, "_counters", False):
         return
     original = Collector.add_field_update
+    original_delete = Collector.delete
 
     @functools.wraps(original)
     def add_field_update(self: Collector, field: models.Field, value: Any, objs: Any) -> None:
         original(self, field, value, _rows_to_update(self, field, objs))
 
+    @functools.wraps(original_delete)
+    def delete(self: Collector) -> Any:
+        if is_paused():
+            return original_delete(self)
+        with collecting(self.using, self.data.items()):
+            return original_delete(self)
+
     add_field_update._counters = True  # type: ignore[attr-defined]
     Collector.add_field_update = add_field_update  # type: ignore[method-assign]
+    Collector.delete = delete  # type: ignore[method-assign]

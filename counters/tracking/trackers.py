@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 from django.db import models
 from django.db.models import Q
@@ -27,6 +27,9 @@ from counters.tracking.where import PLAIN_TYPES, Predicate, Row, is_expression, 
 @dataclass(frozen=True, eq=False)
 class Tracker:
     """One ``track()`` declaration, resolved to fields."""
+
+    #: Whether :class:`InsertPlan` can count a new row from its values (a key of one column).
+    plannable: ClassVar[bool] = True
 
     name: str
     model: type[models.Model]
@@ -221,7 +224,8 @@ def insert_plan(model: type[models.Model]) -> InsertPlan | None:
         return None
     found = _plans.get(model)
     if found is None or found[0] is not trackers:  # new, or the trackers changed
-        plan = None if any(t.related for t in trackers) else InsertPlan(model, trackers)
+        planned = all(t.plannable and not t.related for t in trackers)
+        plan = InsertPlan(model, trackers) if planned else None
         found = _plans[model] = (trackers, plan)
     return found[1]
 

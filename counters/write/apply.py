@@ -228,13 +228,14 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
             applier = apply_composite
         applied, statements = applier(spec, nonzero, using)
     dropped = [] if applied.issuperset(nonzero) else [k for k in nonzero if k not in applied]
+    folded: dict[Any, int] = {}
     if natural_keys.reusable(spec):
         # A natural key may come back: what its deleted parent was owed is kept for it,
         # and taken in by the row of a parent created again.
         if dropped:
             natural_keys.keep(spec, {k: nonzero[k] for k in dropped}, using)
         if applied:
-            natural_keys.fold(spec, sorted(applied), using)
+            folded = natural_keys.fold(spec, sorted(applied), using)
     if dropped:
         logger.warning(
             "dropped deltas of %s vanished %s keys: %s",
@@ -243,12 +244,18 @@ def apply_spec(spec: CounterSpec, keyed: Mapping[Any, int], using: str) -> Appli
             sorted(dropped)[:LOG_DELTAS],
         )
     changed = {k: d for k, d in nonzero.items() if k in applied} if dropped else nonzero
+    rows = changed
+    if folded:  # what the rows changed by: the deltas and the tombstones folded into them
+        rows = dict(changed)
+        for key, value in folded.items():
+            rows[key] = rows.get(key, 0) + value
+        rows = {k: d for k, d in rows.items() if d}
     return Applied(
         keys=len(nonzero) - len(dropped),
         deltas=sum(map(abs, changed.values())),
         dropped=len(dropped),
         statements=statements,
-        changes={spec.name: changed} if changed else {},
+        changes={spec.name: rows} if rows else {},
     )
 
 

@@ -37,8 +37,11 @@ def reusable(spec: CounterSpec) -> bool:
     return not isinstance(target_field(spec.key_model_field), AutoFieldMixin)
 
 
-def fold(spec: CounterSpec, keys: list[Any], using: str) -> int:
-    """Add the tombstones of ``keys`` (whose counter rows exist) to their rows; how many.
+def fold(spec: CounterSpec, keys: list[Any], using: str) -> dict[Any, int]:
+    """Add the tombstones of ``keys`` (whose counter rows exist) to their rows.
+
+    Returns ``{key: value added}`` of the tombstones folded (the rows changed
+    by that much more than the deltas applied to them).
 
     For a parent created again without ``post_save`` (``bulk_create()``), or
     whose tombstone was written after it was created (a flush that found it
@@ -48,7 +51,7 @@ def fold(spec: CounterSpec, keys: list[Any], using: str) -> int:
 
     texts = {str(spec.normalize(k)): k for k in keys}
     rows = spec.model._base_manager.using(using)
-    folded = 0
+    folded: dict[Any, int] = {}
     for chunk in batched(sorted(texts), 500):
         found = list(
             Tombstone.objects.using(using)
@@ -61,7 +64,8 @@ def fold(spec: CounterSpec, keys: list[Any], using: str) -> int:
                 **{spec.value_field: models.F(spec.value_field) + tomb.value}
             )
             tomb.delete()
-            folded += 1
+            if tomb.value:
+                folded[texts[tomb.key]] = tomb.value
     return folded
 
 

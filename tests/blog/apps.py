@@ -46,6 +46,13 @@ class BlogConfig(AppConfig):
             amount="points",
         )
         counters.track(
+            "thread_author_comments",
+            RelComment,
+            key="thread__author",
+            into="blog.RelAuthorStats.thread_comments",
+            where=Q(approved=True),
+        )
+        counters.track(
             "post_published_comments",
             RelComment,
             key="post",

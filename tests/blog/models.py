@@ -18,6 +18,7 @@ class PostStats(models.Model):
     post = models.OneToOneField(Post, primary_key=True, on_delete=models.CASCADE)
     comments = models.BigIntegerField(default=0)
     points = models.BigIntegerField(default=0)
+    thread_comments = models.BigIntegerField(default=0)
 
     def __str__(self) -> str:
         return f"{self.pk}: {self.comments} comments, {self.points} points"
@@ -238,6 +239,7 @@ class RelAuthorStats(models.Model):
     author = models.OneToOneField(RelAuthor, primary_key=True, on_delete=models.CASCADE)
     comments = models.BigIntegerField(default=0)
     points = models.BigIntegerField(default=0)
+    thread_comments = models.BigIntegerField(default=0)
 
     def __str__(self) -> str:
         return f"{self.pk}: {self.comments} comments, {self.points} points"
@@ -268,6 +270,10 @@ class RelPostStats(models.Model):
 
 class RelComment(models.Model):
     post = models.ForeignKey(RelPost, on_delete=models.CASCADE, related_name="comments")
+    #: A nullable ``CASCADE`` middle: Django does not order its deletes.
+    thread = models.ForeignKey(
+        RelPost, on_delete=models.CASCADE, null=True, blank=True, related_name="thread_comments"
+    )
     approved = models.BooleanField(default=False)
     points = models.IntegerField(default=1)
 

@@ -33,6 +33,15 @@ COUNTERS: Table = {
         "points",
         RelAuthor,
     ),
+    "thread_author_comments": (
+        RelComment,
+        "thread__author",
+        Q(approved=True),
+        Count("pk"),
+        RelAuthorStats,
+        "thread_comments",
+        RelAuthor,
+    ),
     "post_published_comments": (
         RelComment,
         "post",

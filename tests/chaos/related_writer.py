@@ -130,15 +130,27 @@ class Writer:
         return found
 
     # -- the comments -----------------------------------------------------------
+    def thread(self) -> int | None:
+        """A post for a comment's nullable ``CASCADE`` thread, or None."""
+        return self.post() if self.rnd.random() < 0.7 else None
+
     def create(self) -> None:
         RelComment.objects.create(
-            post_id=self.post(), approved=self.rnd.random() < 0.6, points=self.rnd.randint(-2, 9)
+            post_id=self.post(),
+            thread_id=self.thread(),
+            approved=self.rnd.random() < 0.6,
+            points=self.rnd.randint(-2, 9),
         )
 
     def bulk_create(self) -> None:
         RelComment.objects.bulk_create(
             [
-                RelComment(post_id=self.post(), approved=self.rnd.random() < 0.7, points=i)
+                RelComment(
+                    post_id=self.post(),
+                    thread_id=self.thread(),
+                    approved=self.rnd.random() < 0.7,
+                    points=i,
+                )
                 for i in range(3)
             ]
         )
@@ -169,7 +181,9 @@ class Writer:
 
     def move(self) -> None:
         if self.rnd.random() < 0.5:
-            RelComment.objects.filter(pk__in=self.comments(2)).update(post_id=self.post())
+            RelComment.objects.filter(pk__in=self.comments(2)).update(
+                post_id=self.post(), thread_id=self.thread()
+            )
         elif c := self.comment():
             c.post_id = self.post()
             c.approved = True

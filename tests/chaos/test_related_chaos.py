@@ -2,8 +2,9 @@
 
 The test blog's counters follow a relation of the counted comment:
 ``author_comments`` (approved comments per author of their post, key
-``post__author``), ``editor_points`` (points of approved comments on published
-posts per editor, ``post__editor``, ``SET_NULL``) and
+``post__author``), ``thread_author_comments`` (the same through ``thread``, a nullable
+``CASCADE`` foreign key, whose deletes Django does not order), ``editor_points`` (points
+of approved comments on published posts per editor, ``post__editor``, ``SET_NULL``) and
 ``post_published_comments`` (``where=Q(post__published=True)``). Writer
 processes (``tests.chaos.related_writer``) change the comments by every
 counted path and, all along, the rows in the middle: posts moved to other
@@ -20,7 +21,7 @@ After the final drain, with no rebuild: for every key of each counter (the
 authors and posts that exist, and the deleted ones the test created), the
 stored row and ``get_values`` equal the SQL truth over the join (COUNT or
 SUM of the approved comments through ``RelPost``); and the audit triggers on
-``RelAuthorStats`` (two counters, one per column) and ``RelPostStats`` find
+``RelAuthorStats`` (three counters, one per column) and ``RelPostStats`` find
 every counter change in exactly one ledgered transaction that matches its
 ledger row.
 """
@@ -78,7 +79,7 @@ def chaos_config(request) -> Config:
 
 
 class RelatedTrials(Trials):
-    """Comments, posts and authors of the test blog; its three related-key counters."""
+    """Comments, posts and authors of the test blog; its four related-key counters."""
 
     WRITER = "tests.chaos.related_writer"
     COUNTERS = tuple(related.COUNTERS)
@@ -100,6 +101,7 @@ class RelatedTrials(Trials):
         self.made = {
             "author_comments": [a.pk for a in authors],
             "editor_points": [a.pk for a in authors],
+            "thread_author_comments": [a.pk for a in authors],
             "post_published_comments": list(RelPost.objects.values_list("pk", flat=True)),
         }
 

@@ -287,7 +287,7 @@ def test_applied_signal_carries_composite_keys(make_user):
         (("recipient", "verb__upper"), "notifications.DailyCount.count", "relations are not"),
         (("recipient", "is_read__date"), "notifications.DailyCount.count", "applies to a Date"),
         (("recipient", "created_at__date"), "notifications.UnreadCounter.count", "no field"),
-        (("actor", "created_at__date"), "notifications.DailyCount.count", "no field 'actor'"),
+        (("verb", "created_at__date"), "notifications.DailyCount.count", "no field 'verb'"),
         (("recipient",), "notifications.DailyCount.count", "two or more"),
     ],
 )
