@@ -18,6 +18,7 @@ from redis.commands.core import Script
 
 from counters.base.exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
 from counters.base.utils import to_str
+from counters.buffer import live
 from counters.buffer.keyspace import SCORE_LIMIT, Keyspace
 from counters.buffer.pushids import PushId
 from counters.buffer.scripts import DrainScript
@@ -66,7 +67,7 @@ class Intake(Keyspace):
         pid = push_id if type(push_id) is PushId else PushId.of(push_id)
         if len(deltas) == 1:  # a push of one member: its shard's script alone
             ((member, delta),) = deltas.items()
-            if type(delta) is int and 0 < abs(delta) < SCORE_LIMIT:
+            if type(delta) is int and 0 < abs(delta) < SCORE_LIMIT and not _live(member):
                 shard = crc32(member.encode()) % self.shards
                 now_ms = time.time_ns() // 1_000_000
                 writer, seq = pid.writer, pid.seq
@@ -96,13 +97,15 @@ class Intake(Keyspace):
             args += (member, int(delta))
         now_ms = time.time_ns() // 1_000_000
         writer, seq = pid.writer, pid.seq
-        calls = [
+        calls: Sequence[tuple[Sequence[str], list]] = [
             (
                 self._push_keys(shard, writer),
                 [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, seq, *args],
             )
             for shard, args in groups.items()
         ]
+        if live.LIVE_COUNTERS:  # members of live counters: published by the script
+            calls = live.live_calls(self.prefix, groups, calls)
         return PushPlan(push_id, deltas, groups, refused, calls)
 
     def wire_one(self, member: str, delta: int, writer: str, seq: int) -> bytes | None:
@@ -118,6 +121,7 @@ class Intake(Keyspace):
             or not member.isascii()
             or PUSH_MAX_AGE_MS is not _AGE
             or PUSH_MARKER_TTL_MS is not _TTL
+            or _live(member)
         ):
             return None
         shard = crc32(member.encode()) % self.shards
@@ -203,6 +207,12 @@ class Intake(Keyspace):
                 pipe.hget(key, "seq")
             marks = [int(to_str(mark)) if mark is not None else 0 for mark in pipe.execute()]
         return [{m for m, key in keys.items() if marks[reads[key]] >= seq} for seq, keys in wanted]
+
+
+def _live(member: str) -> bool:
+    """Whether ``member`` is a live counter's: its push is planned with its channel
+    (:func:`counters.buffer.live.live_calls`); nothing is looked up while none is live."""
+    return bool(live.LIVE_COUNTERS) and live.is_live(member)
 
 
 def _bulk(value: int) -> str:

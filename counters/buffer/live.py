@@ -1,0 +1,91 @@
+"""Live counters: their changes published on a shard channel, for watchers to re-read.
+
+A counter made live (``track(..., live=True)``) has its changes announced on
+the shard channel of its member's shard, ``<prefix>:{sN}:live`` (the shard's
+hash tag, so a Redis Cluster 7+ or Valkey routes it with the shard's keys).
+A message is the changed members, one per line; it carries no value: a
+watcher re-reads the exact value (:mod:`counters.read.watch`), so a lost or
+late message makes a value late, never wrong.
+
+Two publishers:
+
+- the push script itself, for the live members of a push: their pairs come
+  first, their number is one more argument, and the channel one more key
+  (:func:`live_calls`). A push with no live member is sent exactly as before,
+  and the script does no more work for it;
+- :func:`publish`, called after the COMMIT of a change that does not go
+  through a push: a direct write when Redis is down, a discard of
+  quarantined deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from zlib import crc32
+
+from redis.exceptions import RedisError
+
+from counters.buffer.cluster import Client
+
+logger = logging.getLogger(__name__)
+
+#: Names of the live counters of this process (``track(..., live=True)``).
+LIVE_COUNTERS: set[str] = set()
+
+
+def make_live(name: str) -> None:
+    """Publish the changes of counter ``name`` from now on."""
+    LIVE_COUNTERS.add(name)
+
+
+def is_live(member: str) -> bool:
+    """Whether ``member`` (``"<counter>:<key>"``) belongs to a live counter."""
+    return member.partition(":")[0] in LIVE_COUNTERS
+
+
+def channel(prefix: str, shard: int) -> str:
+    """The shard channel of ``shard``'s live members."""
+    return f"{prefix}:{{s{shard}}}:live"
+
+
+def live_calls(
+    prefix: str,
+    groups: Mapping[int, Sequence[str | int]],
+    calls: Sequence[tuple[Sequence[str], Sequence[str | int]]],
+) -> list[tuple[Sequence[str], list]]:
+    """The push script's calls (one per shard of ``groups``, in its order) with the live
+    members' pairs first, their number after the four fixed arguments, and the shard's
+    channel as a fourth key; a call without a live member is returned as it is."""
+    out = []
+    for (shard, args), (keys, call) in zip(groups.items(), calls, strict=True):
+        live: list[str | int] = []
+        rest: list[str | int] = []
+        for i in range(0, len(args), 2):
+            (live if is_live(str(args[i])) else rest).extend(args[i : i + 2])
+        if not live:
+            out.append((keys, list(call)))
+            continue
+        out.append(((*keys, channel(prefix, shard)), [*call[:4], len(live) // 2, *live, *rest]))
+    return out
+
+
+def publish(client: Client, prefix: str, shards: int, members: Iterable[str]) -> None:
+    """Announce a committed change of ``members`` (those of live counters) on their shard
+    channels, in one round trip. Never raises: a watcher that misses it re-reads the value
+    when its connection comes back, and a failure is logged."""
+    by_shard: dict[int, list[str]] = defaultdict(list)
+    for member in members:
+        if is_live(member):
+            by_shard[crc32(member.encode()) % shards].append(member)
+    if not by_shard:
+        return
+    try:
+        pipe = client.pipeline(transaction=False)
+        for shard, changed in by_shard.items():
+            pipe.spublish(channel(prefix, shard), "\n".join(sorted(changed)))
+        pipe.execute()
+    except RedisError as exc:
+        count = sum(len(changed) for changed in by_shard.values())
+        logger.warning("could not announce the changes of %s live members: %s", count, exc)
