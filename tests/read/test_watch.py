@@ -28,7 +28,7 @@ from notifications.models import Notification
 from tests.helpers import truth
 from tests.read.test_async_reads import quarantine
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis, pytest.mark.live]
 
 #: Seconds a change may take to reach a watcher here (the target is well under one).
 WAIT = 5.0
@@ -186,3 +186,27 @@ def test_a_restart_of_redis_mid_watch_makes_the_value_right_again(own_redis, mak
             await watch.aclose()
 
     run(scenario)
+
+
+def test_a_push_publishes_its_live_members_only_once_applied(redis_client, counters_prefix):
+    from counters.buffer.store import Buffer
+
+    buffer = Buffer(redis_client, f"{counters_prefix}:one", shards=1)
+    deltas = {"other:1": 4, "unread:1": 1, "other:2": -1, "unread:2": -2}
+    plan = buffer.plan_push(deltas, "w1:1")
+    ((keys, args),) = plan.calls
+    assert keys[3] == live.channel(buffer.prefix, 0)
+    assert args[4:] == [2, "unread:1", 1, "unread:2", -2, "other:1", 4, "other:2", -1]
+    pubsub = redis_client.pubsub()
+    try:
+        pubsub.ssubscribe(keys[3])
+        assert pubsub.get_sharded_message(timeout=1)["type"] == "ssubscribe"
+        assert buffer.push(deltas, "w1:1") == {0}
+        message = pubsub.get_sharded_message(timeout=1)
+        assert message["data"] == b"unread:1\nunread:2"
+        assert buffer.push(deltas, "w1:1") == set()  # a repeat adds and announces nothing
+        assert pubsub.get_sharded_message(timeout=0.2) is None
+        pending = redis_client.zrange(buffer.key(0, "pending"), 0, -1, withscores=True)
+        assert {m.decode(): int(score) for m, score in pending} == deltas
+    finally:
+        pubsub.close()
