@@ -93,9 +93,7 @@ def test_a_watcher_sees_every_change_by_push_direct_write_rebuild_and_discard(ma
             assert await in_thread(write_direct, {member: 5}, "default")
             assert await until(watch, lambda: 6) == 6
             # The rebuild repairs the drift through the delta path.
-            await in_thread(
-                lambda: counters.rebuild("unread", keys=[alice.pk], confirm_delay=0.05)
-            )
+            await in_thread(lambda: counters.rebuild("unread", keys=[alice.pk], confirm_delay=0.05))
             assert await until(watch, lambda: truth(alice)) == 1
             # A quarantined delta counts until it is discarded: the count then lacks it.
             await in_thread(counters.flush)
@@ -132,9 +130,7 @@ def test_many_watchers_share_one_connection_which_closes_with_the_last(make_user
         assert dispatcher.connections == 1
         assert dispatcher.connects == 1
         await in_thread(notify, users[7])
-        got = await asyncio.wait_for(
-            asyncio.gather(*(anext(w) for w in watches[35:40])), WAIT
-        )
+        got = await asyncio.wait_for(asyncio.gather(*(anext(w) for w in watches[35:40])), WAIT)
         assert got == [1] * 5
         for w in watches:
             await w.aclose()
@@ -144,9 +140,7 @@ def test_many_watchers_share_one_connection_which_closes_with_the_last(make_user
     run(scenario)
 
 
-def test_a_counter_that_is_not_live_cannot_be_watched_and_costs_no_publish(
-    make_user, monkeypatch
-):
+def test_a_counter_that_is_not_live_cannot_be_watched_and_costs_no_publish(make_user, monkeypatch):
     monkeypatch.setattr(live, "LIVE_COUNTERS", set())
     alice = make_user()
 
