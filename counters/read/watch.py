@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -63,7 +63,7 @@ class NotLive(CountersError, ValueError):
         super().__init__(f"counter {name!r} is not live: declare it with track(..., live=True)")
 
 
-async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncIterator[int]:
+async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGenerator[int, None]:
     """The exact value of counter ``name`` at ``key``: at once, then after every change.
 
     Changes close together may come as one value (the newest), and a value may

@@ -7,8 +7,9 @@
 -- ARGV[2] sent_at: ms time the writer sent the push
 -- ARGV[3] max_age: ms after sent_at past which the push is refused as delivered late
 -- ARGV[4] seq: sequence number of the push; a repeat, an older or a fenced one is refused
--- ARGV[5..] member, delta pairs; with KEYS[4]: ARGV[5] is the number of live members, whose
---   pairs come first from ARGV[6]
+-- ARGV[5..] member, delta pairs
+-- ARGV[5] live (only with KEYS[4]): the number of live members; then the pairs from ARGV[6],
+--   the live members' first: published on KEYS[4], one per line, once added
 -- Returns 1 added, 0 refused (repeat, older, fenced), 2 delivered late, or {3, members...}:
 -- those members' sums would leave the exact range of a score, and nothing was added.
 local pending, writer, since = KEYS[1], KEYS[2], KEYS[3]

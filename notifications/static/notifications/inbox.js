@@ -288,10 +288,12 @@
     stream.addEventListener("open", function () {
       clearTimeout(timer);
       timer = null;
+      body.dataset.live = "stream";
       quietly("");
     });
     stream.addEventListener("error", function () {
       // EventSource reconnects by itself; until it does, the count is polled.
+      body.dataset.live = "polling";
       quietly("Live updates paused; checking every " + Math.round(interval / 1000) + " s.");
       if (stream.readyState === 2) {
         stream = null; // refused for good (logged out, or no stream here): polling only

@@ -1,0 +1,93 @@
+"""The inbox's live stream: Server-Sent Events of the logged-in user's unread count and newest
+notifications, pushed as they change (``GET /api/notifications/stream/``).
+
+An async view under ASGI: it watches the user's live unread counter
+(:func:`counters.awatch`), which wakes it on every change of the count: a
+notification created, read, unread or deleted, by any process. Each event
+``state`` carries the exact count and the newest notifications (the first
+page of the inbox), so the page adds the new ones and shows the read state of
+the others. The current state comes first on every connection, so a tab that
+reconnects (``EventSource`` does it by itself, its ``Last-Event-ID`` being
+only informative here) is brought up to date at once. A comment line every
+``NOTIFICATIONS_STREAM_HEARTBEAT`` seconds (default 15) keeps proxies from
+closing an idle stream and lets the server notice a client gone.
+
+Anonymous: a JSON 401, like the rest of the API; a 503 under a WSGI server (the
+page then polls). One subscriber connection to
+Redis per web process serves every stream of the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.core.handlers.asgi import ASGIRequest
+from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
+
+import counters
+
+from . import inbox
+from .api import endpoint, error, serialize
+from .apps import UNREAD_COUNTER
+
+#: Newest notifications sent with each state (the inbox's first page).
+NEWEST = 20
+
+
+def heartbeat_seconds() -> float:
+    """Seconds between two comment lines of an idle stream (``NOTIFICATIONS_STREAM_HEARTBEAT``)."""
+    return float(getattr(settings, "NOTIFICATIONS_STREAM_HEARTBEAT", 15))
+
+
+def newest(user_id: int) -> list[dict[str, Any]]:
+    """The user's newest notifications, as the JSON API gives them."""
+    return [serialize(n) for n in inbox.own(user_id)[:NEWEST]]
+
+
+def event(name: str, data: dict[str, Any], event_id: str) -> str:
+    """One Server-Sent Event (the data on one line: JSON has no raw newline)."""
+    return f"id: {event_id}\nevent: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def states(user_id: int, heartbeat: float) -> AsyncIterator[str]:
+    """The stream's text: the state at once, again after every change, comments between."""
+    yield "retry: 2000\n\n"  # EventSource reconnects after 2 s
+    watch = counters.awatch(UNREAD_COUNTER, user_id)
+    pending: asyncio.Task[int] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(watch))
+            done, _ = await asyncio.wait({pending}, timeout=heartbeat)
+            if not done:
+                yield ": heartbeat\n\n"
+                continue
+            unread, pending = pending.result(), None
+            items = await sync_to_async(newest)(user_id)
+            top = items[0]["id"] if items else 0
+            yield event("state", {"unread": unread, "notifications": items}, f"{top}.{unread}")
+    finally:
+        if pending is not None:  # its cancellation ends the watch (the generator's finally)
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await watch.aclose()
+
+
+@endpoint("GET")
+async def stream(request: HttpRequest) -> HttpResponseBase:
+    if not isinstance(request, ASGIRequest):
+        # Under WSGI an endless stream would hold a worker thread for good: the page polls.
+        return error(503, "the live stream needs an ASGI server")
+    user = await request.auser()  # logged in: the endpoint answered 401 otherwise
+    response = StreamingHttpResponse(
+        states(user.pk or 0, heartbeat_seconds()), content_type="text/event-stream"
+    )
+    response["X-Accel-Buffering"] = "no"  # nginx: pass each event on at once
+    return response
