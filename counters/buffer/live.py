@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from zlib import crc32
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from counters.buffer.cluster import Client
 
@@ -82,10 +82,17 @@ def publish(client: Client, prefix: str, shards: int, members: Iterable[str]) ->
     if not by_shard:
         return
     try:
-        pipe = client.pipeline(transaction=False)
-        for shard, changed in by_shard.items():
-            pipe.spublish(channel(prefix, shard), "\n".join(sorted(changed)))
-        pipe.execute()
+        try:
+            _send(client, by_shard, prefix, "spublish")
+        except ResponseError:  # Redis before 7: no shard channels
+            _send(client, by_shard, prefix, "publish")
     except RedisError as exc:
         count = sum(len(changed) for changed in by_shard.values())
         logger.warning("could not announce the changes of %s live members: %s", count, exc)
+
+
+def _send(client: Client, by_shard: Mapping[int, list[str]], prefix: str, command: str) -> None:
+    pipe = client.pipeline(transaction=False)
+    for shard, changed in by_shard.items():
+        getattr(pipe, command)(channel(prefix, shard), "\n".join(sorted(changed)))
+    pipe.execute()

@@ -14,8 +14,8 @@ with ``SSUBSCRIBE`` to every shard channel of the buffer. It wakes the
 watchers of each member announced, and every watcher whenever its
 connections are made again (after Redis restarted, a failover, a network
 cut), since announcements may have been missed meanwhile. It closes its
-connections when its last watcher leaves. Live counters need Redis 7 or
-Valkey 7.2 (sharded Pub/Sub), and redis-py 5.0.
+connections when its last watcher leaves. Redis 7 and Valkey have shard
+channels; on Redis 6.2 plain channels serve (a single Redis or Sentinel).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from asgiref.sync import sync_to_async
 from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from redis.asyncio import Redis as AsyncRedis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from counters.base import conf
@@ -213,17 +213,18 @@ class Dispatcher:
         pubsub = client.pubsub()
         self.connections += 1
         try:
+            sharded = await _sharded(client)
             for name in channels:  # one command each: a cluster takes one slot a command
-                await pubsub.ssubscribe(name)
+                await (pubsub.ssubscribe(name) if sharded else pubsub.subscribe(name))
             confirmed = 0
             while True:
                 message = await pubsub.get_message(timeout=HEALTH_CHECK_INTERVAL)
                 if message is None:
                     continue
                 kind = message["type"]
-                if kind == "smessage":
+                if kind in ("smessage", "message"):
                     self.wake(_text(message["data"]).split("\n"))
-                elif kind == "ssubscribe":
+                elif kind in ("ssubscribe", "subscribe"):
                     confirmed += 1
                     if confirmed == len(channels):
                         ready.add(url)
@@ -238,6 +239,15 @@ class Dispatcher:
             self.connections -= 1
             await pubsub.aclose()
             await client.aclose()
+
+
+async def _sharded(client: AsyncRedis) -> bool:
+    """Whether the server has shard channels (Redis 7, Valkey): else plain ones serve."""
+    try:
+        await client.execute_command("PUBSUB", "SHARDNUMSUB")
+    except ResponseError:
+        return False
+    return True
 
 
 def _text(value: bytes | str) -> str:

@@ -9,7 +9,8 @@
 -- ARGV[4] seq: sequence number of the push; a repeat, an older or a fenced one is refused
 -- ARGV[5..] member, delta pairs
 -- ARGV[5] live (only with KEYS[4]): the number of live members; then the pairs from ARGV[6],
---   the live members' first: published on KEYS[4], one per line, once added
+--   the live members' first: published on KEYS[4], one per line, once added (a shard
+--   channel; a plain one on Redis before 7, which has none)
 -- Returns 1 added, 0 refused (repeat, older, fenced), 2 delivered late, or {3, members...}:
 -- those members' sums would leave the exact range of a score, and nothing was added.
 local pending, writer, since = KEYS[1], KEYS[2], KEYS[3]
@@ -42,6 +43,8 @@ end
 if live > 0 then
   local changed = {}
   for i = first, first + 2 * live - 2, 2 do changed[#changed + 1] = ARGV[i] end
-  redis.call('SPUBLISH', KEYS[4], table.concat(changed, '\n'))
+  local message = table.concat(changed, '\n')
+  local sent = redis.pcall('SPUBLISH', KEYS[4], message)
+  if type(sent) == 'table' and sent.err then redis.call('PUBLISH', KEYS[4], message) end
 end
 return 1
