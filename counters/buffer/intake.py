@@ -67,13 +67,15 @@ class Intake(Keyspace):
         pid = push_id if type(push_id) is PushId else PushId.of(push_id)
         if len(deltas) == 1:  # a push of one member: its shard's script alone
             ((member, delta),) = deltas.items()
-            if type(delta) is int and 0 < abs(delta) < SCORE_LIMIT and not _live(member):
+            if type(delta) is int and 0 < abs(delta) < SCORE_LIMIT:
                 shard = crc32(member.encode()) % self.shards
                 now_ms = time.time_ns() // 1_000_000
                 writer, seq = pid.writer, pid.seq
                 entry = self._push_keys_cache.get((shard, writer))
                 if entry is None:
                     entry = self._push_entry(shard, writer)
+                if live.LIVE_COUNTERS and live.is_live(member):  # with its channel
+                    entry = live.live_entry(self, shard, writer, entry[0])
                 keys, head = entry
                 call = [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, seq, member, delta]
                 plan = PushPlan(push_id, deltas, {shard: [member, delta]}, {}, [(keys, call)])
@@ -121,19 +123,20 @@ class Intake(Keyspace):
             or not member.isascii()
             or PUSH_MAX_AGE_MS is not _AGE
             or PUSH_MARKER_TTL_MS is not _TTL
-            or _live(member)
         ):
             return None
         shard = crc32(member.encode()) % self.shards
         entry = self._push_keys_cache.get((shard, writer))
         if entry is None:
             entry = self._push_entry(shard, writer)
+        if live.LIVE_COUNTERS and live.is_live(member):  # with its channel
+            entry = live.live_entry(self, shard, writer, entry[0])
         head = entry[1]
         if not head:
             return None
         return encode_one(head, time.time_ns() // 1_000_000, seq, member, delta)
 
-    def _push_keys(self, shard: int, writer: str) -> tuple[str, str, str]:
+    def _push_keys(self, shard: int, writer: str) -> tuple[str, ...]:
         """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since.
 
         Kept per (shard, writer): a process pushes with a few writers (its pool). The same
@@ -144,7 +147,7 @@ class Intake(Keyspace):
             entry = self._push_entry(shard, writer)
         return entry[0]
 
-    def _push_entry(self, shard: int, writer: str) -> tuple[tuple[str, str, str], str]:
+    def _push_entry(self, shard: int, writer: str) -> tuple[tuple[str, ...], str]:
         """:meth:`_push_keys` and the encoded start of a one-member push with them
         (:func:`push_head`), kept."""
         cache = self._push_keys_cache
@@ -207,12 +210,6 @@ class Intake(Keyspace):
                 pipe.hget(key, "seq")
             marks = [int(to_str(mark)) if mark is not None else 0 for mark in pipe.execute()]
         return [{m for m, key in keys.items() if marks[reads[key]] >= seq} for seq, keys in wanted]
-
-
-def _live(member: str) -> bool:
-    """Whether ``member`` is a live counter's: its push is planned with its channel
-    (:func:`counters.buffer.live.live_calls`); nothing is looked up while none is live."""
-    return bool(live.LIVE_COUNTERS) and live.is_live(member)
 
 
 def _bulk(value: int) -> str:

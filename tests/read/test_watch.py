@@ -153,6 +153,7 @@ def test_a_counter_that_is_not_live_cannot_be_watched_and_costs_no_publish(make_
     plan = buffer.plan_push({f"unread:{alice.pk}": 1, f"unread:{alice.pk + 1}": 1}, "w1:1")
     assert all(len(keys) == 3 for keys, _ in plan.calls)  # no channel, no count
     assert buffer.wire_one(f"unread:{alice.pk}", 1, "w1", 2) is not None
+    assert buffer._live_keys_cache == {}
 
 
 @pytest.mark.serial
@@ -200,7 +201,19 @@ def test_a_push_publishes_its_live_members_only_once_applied(redis_client, count
         assert message["data"] == b"unread:1\nunread:2"
         assert buffer.push(deltas, "w1:1") == set()  # a repeat adds and announces nothing
         assert pubsub.get_sharded_message(timeout=0.2) is None
+        # Live members alone: the arguments of any push, the channel as a fourth key; one
+        # member's push is encoded as fast as any other's.
+        ((both_keys, both_args),) = buffer.plan_push({"unread:1": 1, "unread:2": 1}, "w1:2").calls
+        assert both_keys == keys and both_args[3:] == [2, "unread:1", 1, "unread:2", 1]
+        plan = buffer.plan_push({"unread:2": 2}, "w1:2")
+        assert plan.wire is not None and plan.calls[0][0] == keys
+        assert buffer.wire_one("unread:2", 2, "w1", 2) is not None
+        assert buffer.push({"unread:2": 2}, "w1:2") == {0}
+        assert pubsub.get_sharded_message(timeout=1)["data"] == b"unread:2"
+        deltas["unread:2"] = 0
         pending = redis_client.zrange(buffer.key(0, "pending"), 0, -1, withscores=True)
-        assert {m.decode(): int(score) for m, score in pending} == deltas
+        assert {m.decode(): int(score) for m, score in pending} == {
+            m: d for m, d in deltas.items() if d
+        }
     finally:
         pubsub.close()

@@ -7,17 +7,19 @@
 -- ARGV[2] sent_at: ms time the writer sent the push
 -- ARGV[3] max_age: ms after sent_at past which the push is refused as delivered late
 -- ARGV[4] seq: sequence number of the push; a repeat, an older or a fenced one is refused
--- ARGV[5..] member, delta pairs
--- ARGV[5] live (only with KEYS[4]): the number of live members; then the pairs from ARGV[6],
---   the live members' first: published on KEYS[4], one per line, once added (a shard
---   channel; a plain one on Redis before 7, which has none)
+-- ARGV[5..] member, delta pairs; with KEYS[4], each member is published on it, one per line,
+--   once added (a shard channel; a plain one on Redis before 7, which has none)
+-- ARGV[5] live (with KEYS[4] and an odd number of arguments): only this many members are
+--   live, whose pairs come first, from ARGV[6]
 -- Returns 1 added, 0 refused (repeat, older, fenced), 2 delivered late, or {3, members...}:
 -- those members' sums would leave the exact range of a score, and nothing was added.
 local pending, writer, since = KEYS[1], KEYS[2], KEYS[3]
 local ttl, sent_at, max_age, seq = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local limit = 9007199254740992
 local first, live = 5, 0
-if #KEYS > 3 then first, live = 6, tonumber(ARGV[5]) end
+if #KEYS > 3 then  -- an odd number of arguments: the number of live members first
+  if #ARGV % 2 == 1 then first, live = 6, tonumber(ARGV[5]) else live = (#ARGV - 4) / 2 end
+end
 local now = redis.call('TIME')
 if (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)) - tonumber(sent_at)
     > tonumber(max_age) then
