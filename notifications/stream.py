@@ -28,6 +28,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
+from django.db import close_old_connections, connections
 from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 
 import counters
@@ -50,6 +51,19 @@ def newest(user_id: int) -> list[dict[str, Any]]:
     return [serialize(n) for n in inbox.own(user_id)[:NEWEST]]
 
 
+def _newest_pooled(user_id: int) -> list[dict[str, Any]]:
+    close_old_connections()
+    try:
+        return newest(user_id)
+    finally:
+        close_old_connections()  # unless CONN_MAX_AGE keeps it
+
+
+#: :func:`newest` in the event loop's shared thread pool: a few threads serve every stream
+#: (the request's own thread would hold its database connection as long as the stream runs).
+read_newest = sync_to_async(_newest_pooled, thread_sensitive=False)
+
+
 def event(name: str, data: dict[str, Any], event_id: str) -> str:
     """One Server-Sent Event (the data on one line: JSON has no raw newline)."""
     return f"id: {event_id}\nevent: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -69,7 +83,7 @@ async def states(user_id: int, heartbeat: float) -> AsyncIterator[str]:
                 yield ": heartbeat\n\n"
                 continue
             unread, pending = pending.result(), None
-            items = await sync_to_async(newest)(user_id)
+            items = await read_newest(user_id)
             top = items[0]["id"] if items else 0
             yield event("state", {"unread": unread, "notifications": items}, f"{top}.{unread}")
     finally:
@@ -86,6 +100,9 @@ async def stream(request: HttpRequest) -> HttpResponseBase:
         # Under WSGI an endless stream would hold a worker thread for good: the page polls.
         return error(503, "the live stream needs an ASGI server")
     user = await request.auser()  # logged in: the endpoint answered 401 otherwise
+    # The session and the user were read in the request's own thread: its connection is
+    # closed now, not when the stream ends.
+    await sync_to_async(connections.close_all)()
     response = StreamingHttpResponse(
         states(user.pk or 0, heartbeat_seconds()), content_type="text/event-stream"
     )

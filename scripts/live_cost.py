@@ -80,7 +80,7 @@ def main() -> int:
     modes = {"tally": set(), "live": {UNREAD_COUNTER}}
     results: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
-        for mode in (("tally", "live") if round_ % 2 else ("live", "tally")):
+        for mode in ("tally", "live") if round_ % 2 else ("live", "tally"):
             live.LIVE_COUNTERS.clear()
             live.LIVE_COUNTERS.update(modes[mode])
             for _ in range(50):  # warm up the mode's code paths and caches

@@ -4,7 +4,8 @@ A live counter (``track(..., live=True)``) has its changes announced on the
 shard channels of its buffer (:mod:`counters.buffer.live`): by the push
 script for pushes, after COMMIT for direct writes and discards. A message
 names the changed members, never a value: a watcher woken by one re-reads
-the exact value (:func:`counters.read.values.aget_value`), so a lost message
+the exact value (:func:`counters.read.values.get_value`, in the event loop's
+shared thread pool), so a lost message
 makes a value late, never wrong.
 
 One :class:`Dispatcher` per event loop and buffer holds the subscriptions:
@@ -29,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from asgiref.sync import sync_to_async
-from django.db import DEFAULT_DB_ALIAS, DatabaseError
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, close_old_connections
 from redis.asyncio import Redis as AsyncRedis
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
@@ -43,7 +44,7 @@ from counters.buffer.cluster import ClusterClient
 from counters.buffer.connections import HEALTH_CHECK_INTERVAL, redis_scheme
 from counters.buffer.store import Buffer
 from counters.client import get_buffer
-from counters.read.values import aget_value
+from counters.read.values import get_value
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGener
         while True:
             event.clear()  # before the read: a change made during it wakes us again
             try:
-                value = await aget_value(name, key, alias)
+                value = await _read(name, key, alias)
             except (RedisError, DatabaseError) as exc:
                 logger.info("watch of %s: read failed, waiting: %s", member[:200], exc)
                 await _wait(event, READ_RETRY_S)
@@ -95,6 +96,22 @@ async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGener
             await event.wait()
     finally:
         dispatcher.remove(member, event)
+
+
+def _exact_value(name: str, key: Any, using: str) -> int:
+    """:func:`~counters.read.values.get_value`, in a thread of the loop's shared pool: a few
+    threads serve every watcher of the process (a watcher of a streaming response would
+    otherwise keep its request's thread, and its database connection, as long as it runs).
+    Each read is a request to Django's connection handling: its connections are closed
+    after it unless ``CONN_MAX_AGE`` keeps them (and then if they failed)."""
+    close_old_connections()
+    try:
+        return get_value(name, key, using=using)
+    finally:
+        close_old_connections()
+
+
+_read = sync_to_async(_exact_value, thread_sensitive=False)
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:
