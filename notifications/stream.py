@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,13 +30,15 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.handlers.asgi import ASGIRequest
 from django.db import close_old_connections, connections
+from django.db.models import F, Window
+from django.db.models.functions import RowNumber
 from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 
 import counters
 
-from . import inbox
 from .api import endpoint, error, serialize
 from .apps import UNREAD_COUNTER
+from .models import Notification
 
 #: Newest notifications sent with each state (the inbox's first page).
 NEWEST = 20
@@ -46,22 +49,72 @@ def heartbeat_seconds() -> float:
     return float(getattr(settings, "NOTIFICATIONS_STREAM_HEARTBEAT", 15))
 
 
-def newest(user_id: int) -> list[dict[str, Any]]:
-    """The user's newest notifications, as the JSON API gives them."""
-    return [serialize(n) for n in inbox.own(user_id)[:NEWEST]]
-
-
-def _newest_pooled(user_id: int) -> list[dict[str, Any]]:
+def newest(user_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """The newest notifications of each user, as the JSON API gives them: one query for
+    all, in a thread of the event loop's shared pool (the request's own thread would hold
+    its database connection as long as the stream runs), its connection closed after it
+    unless ``CONN_MAX_AGE`` keeps it."""
     close_old_connections()
     try:
-        return newest(user_id)
+        rank = Window(RowNumber(), partition_by=F("recipient_id"), order_by=F("pk").desc())
+        rows = (
+            Notification.objects.filter(recipient_id__in=user_ids)
+            .select_related("actor")
+            .annotate(rank=rank)
+            .filter(rank__lte=NEWEST)
+            .order_by("recipient_id", "-pk")
+        )
+        out: dict[int, list[dict[str, Any]]] = {uid: [] for uid in user_ids}
+        for n in rows:
+            out[n.recipient_id].append(serialize(n))
+        return out
     finally:
-        close_old_connections()  # unless CONN_MAX_AGE keeps it
+        close_old_connections()
 
 
-#: :func:`newest` in the event loop's shared thread pool: a few threads serve every stream
-#: (the request's own thread would hold its database connection as long as the stream runs).
-read_newest = sync_to_async(_newest_pooled, thread_sensitive=False)
+class Newest:
+    """The newest notifications the streams of one event loop ask for in the same turn of
+    the loop (those one change of many counts woke), read by one query."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, list[asyncio.Future[list[dict[str, Any]]]]] = {}
+        self.running: asyncio.Task[None] | None = None
+
+    async def get(self, user_id: int) -> list[dict[str, Any]]:
+        future: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(user_id, []).append(future)
+        if self.running is None:
+            self.running = asyncio.ensure_future(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        await asyncio.sleep(0)  # the other streams woken with this one ask first
+        waiting, self.waiting, self.running = self.waiting, {}, None
+        error_: Exception | None = None
+        found: dict[int, list[dict[str, Any]]] = {}
+        try:
+            found = await sync_to_async(newest, thread_sensitive=False)(list(waiting))
+        except Exception as exc:
+            error_ = exc
+        for user_id, futures in waiting.items():
+            for future in futures:
+                if future.done():
+                    continue
+                if error_ is not None:
+                    future.set_exception(error_)
+                else:
+                    future.set_result(found[user_id])
+
+
+_newest: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Newest] = weakref.WeakKeyDictionary()
+
+
+async def read_newest(user_id: int) -> list[dict[str, Any]]:
+    loop = asyncio.get_running_loop()
+    batch = _newest.get(loop)
+    if batch is None:
+        batch = _newest[loop] = Newest()
+    return await batch.get(user_id)
 
 
 def event(name: str, data: dict[str, Any], event_id: str) -> str:

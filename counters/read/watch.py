@@ -4,8 +4,8 @@ A live counter (``track(..., live=True)``) has its changes announced on the
 shard channels of its buffer (:mod:`counters.buffer.live`): by the push
 script for pushes, after COMMIT for direct writes and discards. A message
 names the changed members, never a value: a watcher woken by one re-reads
-the exact value (:func:`counters.read.values.get_value`, in the event loop's
-shared thread pool), so a lost message
+the exact value (:func:`counters.read.values.get_values`, in the event loop's
+shared thread pool, one read for all the watchers an announcement wakes), so a lost message
 makes a value late, never wrong.
 
 One :class:`Dispatcher` per event loop and buffer holds the subscriptions:
@@ -44,7 +44,7 @@ from counters.buffer.cluster import ClusterClient
 from counters.buffer.connections import HEALTH_CHECK_INTERVAL, redis_scheme
 from counters.buffer.store import Buffer
 from counters.client import get_buffer
-from counters.read.values import get_value
+from counters.read.values import get_values
 
 logger = logging.getLogger(__name__)
 
@@ -98,20 +98,68 @@ async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGener
         dispatcher.remove(member, event)
 
 
-def _exact_value(name: str, key: Any, using: str) -> int:
-    """:func:`~counters.read.values.get_value`, in a thread of the loop's shared pool: a few
-    threads serve every watcher of the process (a watcher of a streaming response would
-    otherwise keep its request's thread, and its database connection, as long as it runs).
-    Each read is a request to Django's connection handling: its connections are closed
-    after it unless ``CONN_MAX_AGE`` keeps them (and then if they failed)."""
+def _exact_values(wanted: list[tuple[str, Any, str]]) -> dict[tuple[str, Any, str], int]:
+    """The exact values of ``wanted`` ((name, key, alias) each), read together: one
+    :func:`~counters.read.values.get_values` per counter and database, in a thread of the
+    loop's shared pool. Each call is a request to Django's connection handling: its
+    connections are closed after it unless ``CONN_MAX_AGE`` keeps them."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for name, key, using in wanted:
+        groups.setdefault((name, using), []).append(key)
     close_old_connections()
     try:
-        return get_value(name, key, using=using)
+        out = {}
+        for (name, using), keys in groups.items():
+            values = get_values(name, keys, using=using)
+            out.update({(name, key, using): values[key] for key in keys})
+        return out
     finally:
         close_old_connections()
 
 
-_read = sync_to_async(_exact_value, thread_sensitive=False)
+class Reads:
+    """The reads of one event loop's watchers, batched: the watchers one announcement wakes
+    ask in the same turn of the loop, and one read in the shared pool answers them all
+    (a stream's request thread, and its database connection, are never held)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[tuple[str, Any, str], list[asyncio.Future[int]]] = {}
+        self.running: asyncio.Task[None] | None = None
+
+    async def get(self, name: str, key: Any, using: str) -> int:
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault((name, key, using), []).append(future)
+        if self.running is None:
+            self.running = asyncio.ensure_future(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        await asyncio.sleep(0)  # the other watchers woken with this one ask first
+        waiting, self.waiting, self.running = self.waiting, {}, None
+        try:
+            values = await sync_to_async(_exact_values, thread_sensitive=False)(list(waiting))
+        except Exception as exc:
+            for futures in waiting.values():
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(exc)
+            return
+        for wanted, futures in waiting.items():
+            for future in futures:
+                if not future.done():
+                    future.set_result(values[wanted])
+
+
+#: The batched reads of each event loop.
+_reads: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reads] = weakref.WeakKeyDictionary()
+
+
+async def _read(name: str, key: Any, using: str) -> int:
+    loop = asyncio.get_running_loop()
+    reads = _reads.get(loop)
+    if reads is None:
+        reads = _reads[loop] = Reads()
+    return await reads.get(name, key, using)
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:
