@@ -175,8 +175,9 @@ async def measure(args: argparse.Namespace, web: subprocess.Popen, port: int, us
     base_rss = rss_kib(web.pid)
     streams = [Stream(uid) for uid, _ in users]
     started = time.monotonic()
-    for i in range(0, len(streams), 100):  # 100 at a time, each with its first state
-        batch = list(zip(streams[i : i + 100], users[i : i + 100], strict=True))
+    step = args.connecting
+    for i in range(0, len(streams), step):  # a few at a time, each with its first state
+        batch = list(zip(streams[i : i + step], users[i : i + step], strict=True))
         await asyncio.gather(*(s.open(port, cookie) for s, (_, cookie) in batch))
     opened = time.monotonic() - started
     await asyncio.sleep(1)
@@ -218,6 +219,7 @@ def start_web(port: int) -> subprocess.Popen:
             "--lifespan=off",
             "--no-access-log",
             "--log-level=warning",
+            "--timeout-graceful-shutdown=2",
         ],
         cwd=ROOT,
         start_new_session=True,
@@ -240,6 +242,12 @@ def main() -> int:
     parser.add_argument("--singles", type=int, default=20, help="commits notifying one user")
     parser.add_argument("--wait", type=float, default=10.0, help="s an event may take at most")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument(
+        "--connecting",
+        type=int,
+        default=20,
+        help="streams opened at once (each request reads its session: a database connection)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="s the whole run may take")
     args = parser.parse_args()
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
@@ -258,7 +266,11 @@ def main() -> int:
         asyncio.run(measure(args, web, args.port, users))
     finally:
         os.killpg(web.pid, signal.SIGTERM)
-        web.wait(30)
+        try:
+            web.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(web.pid, signal.SIGKILL)
+            web.wait(30)
         get_user_model().objects.filter(username__startswith=PREFIX).delete()
         counters.flush()
     return 0
