@@ -11,6 +11,10 @@ and what ``live`` adds to ``tally``::
     redis-server --port 6393 --save '' --appendonly no --bind 127.0.0.1 &
     DEBUG=0 DATABASE_URL=postgres://postgres@127.0.0.1:5432/tally_bench \\
         python scripts/live_cost.py --redis-url redis://127.0.0.1:6393/0
+
+With ``--pushes N``, Redis alone instead (no Django, no database): ``N`` calls of the
+push script of one member per mode and round, each waited for, not live and live (its
+channel as a fourth key, the subscriber reading it), and Redis's CPU per call.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,12 +48,57 @@ def subscribe(url: str, channels: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code, url, *channels])
 
 
+def pushes(url: str, calls: int, rounds: int) -> int:
+    """Redis's CPU per push of one member, not live and live (see the module)."""
+    import redis
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from push_redis_cpu import MAX_AGE_MS, TTL_MS, timed
+
+    client = redis.Redis.from_url(url)
+    sha = client.script_load((ROOT / "counters/buffer/lua/push.lua").read_text())
+    keys = tuple(f"live-cost:{{s0}}:{name}" for name in ("pending", "w:bench", "since"))
+    channel = "live-cost:{s0}:live"
+    reader = subscribe(url, [channel])
+    seq = 0
+
+    def push(extra: tuple[str, ...]) -> Callable[[int], object]:
+        def send(i: int) -> object:
+            nonlocal seq
+            seq += 1
+            now = int(time.time() * 1000)
+            args = (TTL_MS, now, MAX_AGE_MS, seq, f"unread:{i % 5000}", 1)
+            return client.evalsha(sha, 3 + len(extra), *keys, *extra, *args)
+
+        return send
+
+    modes = {"tally": push(()), "live": push((channel,))}
+    results: dict[str, list[float]] = {m: [] for m in modes}
+    try:
+        for r in range(rounds):
+            for name in ("tally", "live") if r % 2 else ("live", "tally"):
+                results[name].append(timed(client, calls, modes[name])[0])
+    finally:
+        client.delete(*keys)
+        reader.terminate()
+        reader.wait()
+    cpu = {m: statistics.median(v) for m, v in results.items()}
+    print(f"{calls} pushes x {rounds} rounds, Redis CPU µs per push (median)")
+    print(
+        f"tally {cpu['tally']:.1f}  live {cpu['live']:.1f}  added {cpu['live'] - cpu['tally']:+.1f}"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inserts", type=int, default=2000, help="inserts per mode and round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6393/0")
+    parser.add_argument("--pushes", type=int, default=0, help="instead: Redis alone, N calls")
     args = parser.parse_args()
+    if args.pushes:
+        return pushes(args.redis_url, args.pushes, args.rounds)
 
     os.environ["COUNTERS_REDIS_URL"] = args.redis_url
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
