@@ -96,7 +96,7 @@ endef
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: install install-test run test test-sqlite test-postgres test-mariadb test-valkey \
-	test-django60 test-django60-sqlite test-django60-postgres lint migrate flush clean
+	test-django60 test-django60-sqlite test-django60-postgres lint docs migrate flush clean
 
 install: $(VENV)/.installed
 
@@ -109,7 +109,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e '.[example,test]'
+	$(BIN)/pip install --quiet -e '.[example,test,docs]'
 	touch $@
 
 migrate: install
@@ -196,9 +196,15 @@ lint: install-test
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+# The documentation site (mkdocs.yml, docs/) into site/: broken links, missing references and
+# any warning fail it. `.venv/bin/mkdocs serve` shows it at http://127.0.0.1:8000/ while editing.
+docs: install-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 flush: install
 	$(BIN)/python manage.py notification_update_counter
 
 clean:
-	rm -rf $(VENV) $(VENV_DJANGO60) var .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_DJANGO60) var site .pytest_cache .ruff_cache .hypothesis

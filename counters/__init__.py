@@ -59,6 +59,7 @@ if TYPE_CHECKING:
         InvalidKey,
         LayoutChangePending,
         NotConnected,
+        NotLive,
         RebuildRunning,
         RedisTooOld,
         RepairFenced,
@@ -114,6 +115,7 @@ _EXPORTS: dict[str, str] = {
     # exceptions
     "CountersError": "counters.base.exceptions",
     "UnknownCounter": "counters.base.exceptions",
+    "NotLive": "counters.base.exceptions",
     "InvalidKey": "counters.base.exceptions",
     "BufferUnavailable": "counters.base.exceptions",
     "NotConnected": "counters.base.exceptions",
@@ -140,6 +142,7 @@ __all__ = [
     "InvalidKey",
     "LayoutChangePending",
     "NotConnected",
+    "NotLive",
     "RebuildRunning",
     "RedisTooOld",
     "RepairFenced",

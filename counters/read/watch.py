@@ -37,7 +37,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.retry import Retry
 
 from counters.base import conf
-from counters.base.exceptions import CountersError
+from counters.base.exceptions import NotLive
 from counters.base.registry import get_spec
 from counters.buffer import live
 from counters.buffer.cluster import ClusterClient
@@ -54,14 +54,6 @@ RECONNECT_MAX_S = 2.0
 SUBSCRIBE_WAIT_S = 1.0
 #: Seconds a watcher whose read failed waits before it reads again (unless woken sooner).
 READ_RETRY_S = 1.0
-
-
-class NotLive(CountersError, ValueError):
-    """``awatch`` of a counter not declared with ``track(..., live=True)``."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        super().__init__(f"counter {name!r} is not live: declare it with track(..., live=True)")
 
 
 async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGenerator[int, None]:

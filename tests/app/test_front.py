@@ -27,8 +27,9 @@ from tests.procs import ROOT
 OUTSIDE = ["notifications", "benchmarks", "scripts", "config"]
 
 #: Modules of counters importable outside it, where Django fixes the path (model classes,
-#: ``include("counters.urls")``), and the file each other exception is confined to.
-DJANGO_PATHS = {"counters.models", "counters.urls"}
+#: ``include("counters.urls")``, the admin's ``CounterAdmin``), and the file each other exception
+#: is confined to.
+DJANGO_PATHS = {"counters.models", "counters.urls", "counters.admin"}
 #: Django's way to offer another app's command under a new name is to import its Command.
 COMMANDS = ("counters.management.commands", "notifications/management/commands/")
 #: The internal parts the benchmarks drive directly, imported in this one module.
@@ -67,8 +68,12 @@ def allowed(path: str, module: str) -> bool:
     return module.startswith(prefix) and path.startswith(folder)
 
 
-#: The pages whose Python shows projects how to use the app.
-USER_DOCS = ["README.md", "docs/tracking.md", "docs/example.md"]
+#: The pages whose Python shows projects how to use the app: the README and every page of
+#: the docs site.
+USER_DOCS = [
+    "README.md",
+    *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/**/*.md")),
+]
 
 
 def readme_code(page: str = "README.md") -> str:

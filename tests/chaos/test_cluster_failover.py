@@ -11,7 +11,7 @@ new master. Then:
 * the drift a promotion leaves (deltas the old master acknowledged but had
   not replicated) is measured against COUNT(*), and so is whether the epoch
   check noticed it; both are printed in one line, the figures of
-  docs/operations.md;
+  docs/how-to/redis-cluster-sentinel.md;
 * ``counters_rebuild``, the documented repair after a failover, makes every
   counter exact: stored rows and ``get_count()`` equal COUNT(*).
 """

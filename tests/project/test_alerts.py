@@ -35,9 +35,19 @@ def test_five_alerts_each_with_a_severity_and_a_summary():
         assert rule["annotations"]["summary"]
 
 
-def test_the_operations_docs_show_the_rules():
-    operations = (ROOT / "docs" / "operations.md").read_text()
-    assert f"```yaml\n{RULES.read_text()}```" in operations
+def test_the_alerts_page_shows_the_rules():
+    alerts = (ROOT / "docs" / "operations" / "alerts.md").read_text()
+    assert f"```yaml\n{RULES.read_text()}```" in alerts
+
+
+def test_the_alerts_page_gives_each_alert_a_cause_and_a_fix():
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    alerts = (ROOT / "docs" / "operations" / "alerts.md").read_text()
+    for rule in rules:
+        heading = f"\n## {rule['alert']} ({rule['labels']['severity']})\n"
+        assert heading in alerts, rule["alert"]
+        body = alerts.split(heading, 1)[1].split("\n## ", 1)[0]
+        assert "**Fires when**" in body and "**Fix.**" in body, rule["alert"]
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")

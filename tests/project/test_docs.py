@@ -1,15 +1,17 @@
-"""The docs document every setting the code has and show the real Procfiles; the README
-stays a pitch, a quick start and links.
+"""The docs document every setting the code has and show the real Procfiles; the docs site
+holds every page, each short; the README stays a pitch, a quick start and links.
 
 Each check reads the page that holds its subject: the settings and the
 environment in docs/configuration.md, the Procfiles and the API's limits in
-docs/example.md, the module map in docs/development.md.
+docs/example.md, the module map in docs/development.md, the site's pages in
+mkdocs.yml. `make lint` builds the site strictly (broken links and anchors fail it).
 """
 
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from counters.base import conf
 
@@ -19,7 +21,10 @@ CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 EXAMPLE = (ROOT / "docs" / "example.md").read_text()
 DEVELOPMENT = (ROOT / "docs" / "development.md").read_text()
 #: The README's length at most: a pitch, a quick start and links.
-README_LINES = 250
+README_LINES = 150
+#: A page of the docs site at most, and the benchmarks page at most.
+PAGE_LINES = 600
+BENCHMARKS_LINES = 250
 
 #: Environment variables read by Python code: os.environ.get("X"), os.environ["X"], env_bool("X").
 PY_ENV = re.compile(r"""(?:os\.environ\.get|os\.getenv|env_bool)\(\s*["']([A-Z][A-Z0-9_]*)["']""")
@@ -205,6 +210,15 @@ def test_the_readme_is_a_pitch_a_quick_start_and_links():
     ]
 
 
+def test_the_quick_start_says_how_to_log_in():
+    # seed_demo --admin creates the demo users and a superuser, and prints their logins
+    quick_start = section("Quick start")
+    assert "manage.py seed_demo --admin" in quick_start
+    assert "/accounts/login/" in quick_start and "/admin/" in quick_start
+    seed_demo = (ROOT / "notifications" / "management" / "commands" / "seed_demo.py").read_text()
+    assert '"--admin"' in seed_demo and "Log in at /accounts/login/ as:" in seed_demo
+
+
 def test_the_readme_first_tells_an_existing_project_what_to_do():
     match = re.search(r"^## (.+)$", README, re.M)
     assert match is not None
@@ -212,12 +226,15 @@ def test_the_readme_first_tells_an_existing_project_what_to_do():
     for step in (
         "pip install django-tally",
         '"counters"',  # INSTALLED_APPS
+        "counters.middleware.AcknowledgeMiddleware",
         "COUNTERS_REDIS_URL",
         "manage.py migrate",
         "AppConfig.ready()",
         "counters.track(",
+        "counters.CountedManager()",
         "counters: flush buffered deltas",  # the beat entry
         "manage.py counters_flush",  # the cron line
+        "(docs/tutorial.md)",
         "| Python |",
         "| Django |",
         "| Databases |",
@@ -244,7 +261,7 @@ def test_the_support_table_states_what_the_package_and_ci_declare():
 
 
 def test_every_relative_link_of_the_docs_resolves():
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
     broken = []
     for page in pages:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
@@ -254,3 +271,91 @@ def test_every_relative_link_of_the_docs_resolves():
             if not path.exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def nav_pages(nav: list) -> list[str]:
+    """The pages of mkdocs.yml's ``nav``, in order, as paths under docs/."""
+    pages: list[str] = []
+    for item in nav:
+        for value in item.values() if isinstance(item, dict) else [item]:
+            pages += nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+MKDOCS = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+SITE_PAGES = nav_pages(MKDOCS["nav"])
+
+
+def test_the_site_has_the_parts_a_reader_looks_for():
+    sections = [next(iter(item)) for item in MKDOCS["nav"]]
+    for part in (
+        "Overview",
+        "Installation",
+        "Tutorial",
+        "How-to guides",
+        "Reference",
+        "Operations",
+        "Benchmarks",
+        "FAQ",
+        "Troubleshooting",
+        "Changelog",
+    ):
+        assert part in sections, part
+    assert len(nav_pages(MKDOCS["nav"][sections.index("How-to guides")]["How-to guides"])) >= 12
+
+
+def test_every_page_of_the_docs_is_in_the_site():
+    pages = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").glob("**/*.md")}
+    assert pages == set(SITE_PAGES)
+    assert len(SITE_PAGES) == len(set(SITE_PAGES))
+
+
+@pytest.mark.parametrize("page", SITE_PAGES)
+def test_each_page_is_short(page):
+    limit = BENCHMARKS_LINES if page == "benchmarks.md" else PAGE_LINES
+    assert len((ROOT / "docs" / page).read_text().splitlines()) <= limit
+
+
+def test_the_changelog_page_includes_the_changelog():
+    assert (ROOT / "docs" / "changelog.md").read_text() == '--8<-- "CHANGELOG.md"\n'
+
+
+def test_the_readme_links_every_page_of_the_site():
+    linked = set(re.findall(r"\]\(docs/([^)#]+\.md)", section("Documentation")))
+    assert set(SITE_PAGES) - {"changelog.md"} <= linked
+    assert "(CHANGELOG.md)" in section("Documentation")
+
+
+def test_lint_builds_the_site_strictly():
+    makefile = (ROOT / "Makefile").read_text()
+    lint = makefile[makefile.index("\nlint:") : makefile.index("\n\n", makefile.index("\nlint:"))]
+    assert "mkdocs build --strict" in lint
+    assert MKDOCS["strict"] is True
+    assert "make lint" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_api_page_documents_every_public_name():
+    import counters
+
+    api = (ROOT / "docs" / "reference" / "api.md").read_text()
+    for name in counters.__all__:
+        module = counters._EXPORTS[name]
+        assert f"::: {module}.{name}\n" in api or (
+            f"::: {module}\n" in api and f"        - {name}\n" in api
+        ), name
+
+
+def test_the_checks_page_lists_every_check_id():
+    source = "\n".join(p.read_text() for p in sorted((ROOT / "counters").glob("**/*.py")))
+    ids = set(re.findall(r"counters\.[EW]\d{3}", source))
+    assert len(ids) >= 50  # the pattern still matches the code's ids
+    checks = (ROOT / "docs" / "reference" / "checks.md").read_text()
+    assert {i for i in ids if f"| `{i}` |" not in checks} == set()
+
+
+@pytest.mark.parametrize(
+    "setting", [s for s in conf.SETTINGS.values() if s.default is not None], ids=lambda s: s.name
+)
+def test_the_settings_table_states_each_default(setting):
+    default = f"{setting.default:g}" if isinstance(setting.default, float) else setting.default
+    assert f"| `{setting.name}` | `{default}` |" in section("Settings", CONFIGURATION)

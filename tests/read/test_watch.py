@@ -20,9 +20,10 @@ from asgiref.sync import sync_to_async
 from django.db import connections
 
 import counters
+from counters.base.exceptions import NotLive
 from counters.buffer import live
 from counters.client import get_buffer
-from counters.read.watch import Dispatcher, NotLive
+from counters.read.watch import Dispatcher
 from counters.write.fallback import write_direct
 from notifications.models import Notification
 from tests.helpers import truth
