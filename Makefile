@@ -62,7 +62,8 @@ MARIADB_STATEFUL_EXAMPLES ?= 50
 # and the end-to-end tests whose database is not their subject (Celery beat and worker on
 # their own, the metrics servers, the sender in Celery's children); the parallel flush by
 # beat and workers runs here.
-POSTGRES_SKIP := --ignore=tests/web/test_browser.py --ignore=tests/e2e/test_celery_beat.py \
+POSTGRES_SKIP := --ignore=tests/web/test_browser.py --ignore=tests/web/test_browser_live.py \
+	--ignore=tests/e2e/test_celery_beat.py \
 	--ignore=tests/e2e/test_metrics_servers.py --ignore=tests/e2e/test_sender_celery.py
 # What the SQLite run leaves to the PostgreSQL run: the Redis side, and the API's schema
 # fuzzing (the same views on either database).
@@ -81,7 +82,8 @@ COMPILE = -m compileall -q counters notifications config tests scripts
 # production databases, PostgreSQL and MariaDB; `make test-sqlite SQLITE_SERIAL=` runs them
 # all on SQLite too.
 SQLITE_SERIAL ?= tests/e2e/test_celery_beat.py tests/e2e/test_metrics_servers.py \
-	tests/e2e/test_sender_celery.py tests/web/test_browser.py tests/project
+	tests/e2e/test_sender_celery.py tests/web/test_browser.py tests/web/test_browser_live.py \
+	tests/project
 
 # Each run is two passes: the parallel one, then the tests marked `serial` (they start
 # processes, kill them or time things) in one process, so no timing competes with other tests.

@@ -7,6 +7,7 @@
                    into="blog.PostStats.comments", where=Q(approved=True))
     counters.get_value("post_comments", post.pk)                # stored + buffered, exact
     await counters.aget_value("post_comments", post.pk)         # the same, from async code
+    async for n in counters.awatch("unread", user.pk): ...      # a live counter's each change
     counters.flush()                                            # drain Redis into the rows
     with counters.paused(): ...                                 # a data migration, uncounted
 
@@ -23,7 +24,8 @@ Write
     ``add``, ``add_many``: deltas sent after COMMIT.
 Read
     ``get_value``, ``get_values`` (stored + buffered, exact), ``get_parts``;
-    ``aget_value``, ``aget_values``: the same from async code.
+    ``aget_value``, ``aget_values``: the same from async code; ``awatch``: a live
+    counter's exact value at once and after every change (``track(..., live=True)``).
 Operate
     ``flush`` (drain the buffer into the rows), ``rebuild``, ``rebuild_all``
     (repair from the truth), ``audit`` (one run of the continuous audit),
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
         InvalidKey,
         LayoutChangePending,
         NotConnected,
+        NotLive,
         RebuildRunning,
         RedisTooOld,
         RepairFenced,
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
     from counters.client import get_buffer, get_client
     from counters.ops.run import flush
     from counters.read.values import aget_value, aget_values, get_parts, get_value, get_values
+    from counters.read.watch import awatch
     from counters.tracking.counting import rows_changed
     from counters.tracking.declare import track
     from counters.tracking.queryset import CountedManager, CountedQuerySet
@@ -98,6 +102,7 @@ _EXPORTS: dict[str, str] = {
     "get_parts": "counters.read.values",
     "aget_value": "counters.read.values",
     "aget_values": "counters.read.values",
+    "awatch": "counters.read.watch",
     # operate
     "flush": "counters.ops.run",
     "rebuild": "counters.verify.rebuild",
@@ -110,6 +115,7 @@ _EXPORTS: dict[str, str] = {
     # exceptions
     "CountersError": "counters.base.exceptions",
     "UnknownCounter": "counters.base.exceptions",
+    "NotLive": "counters.base.exceptions",
     "InvalidKey": "counters.base.exceptions",
     "BufferUnavailable": "counters.base.exceptions",
     "NotConnected": "counters.base.exceptions",
@@ -136,6 +142,7 @@ __all__ = [
     "InvalidKey",
     "LayoutChangePending",
     "NotConnected",
+    "NotLive",
     "RebuildRunning",
     "RedisTooOld",
     "RepairFenced",
@@ -150,6 +157,7 @@ __all__ = [
     "aget_value",
     "aget_values",
     "audit",
+    "awatch",
     "drain_queues",
     "flush",
     "get_buffer",

@@ -16,11 +16,12 @@ class NotificationsConfig(AppConfig):
         from .models import Notification
 
         # Unread notifications per recipient, in UnreadCounter.count. A count of
-        # rows, so it never reads below zero.
+        # rows, so it never reads below zero. Live: the inbox's stream watches it.
         counters.track(
             UNREAD_COUNTER,
             Notification,
             key="recipient",
             into="notifications.UnreadCounter.count",
             where=Q(is_read=False),
+            live=True,
         )

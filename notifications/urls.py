@@ -1,6 +1,6 @@
 from django.urls import path
 
-from . import api, views
+from . import api, stream, views
 
 app_name = "notifications"
 
@@ -15,6 +15,7 @@ urlpatterns = [
     path("api/notifications/", api.notification_list, name="api-list"),
     path("api/notifications/unread-count/", api.unread_count, name="api-unread-count"),
     path("api/notifications/read-all/", api.read_all, name="api-read-all"),
+    path("api/notifications/stream/", stream.stream, name="api-stream"),
     path("api/notifications/<str:raw_id>/", api.notification_detail, name="api-detail"),
     path("api/notifications/<str:raw_id>/read/", api.mark_read, name="api-read"),
     path("api/notifications/<str:raw_id>/unread/", api.mark_unread, name="api-unread"),

@@ -34,6 +34,7 @@ from django.db import connection
 import counters
 from counters import client as client_module
 from counters.base.exceptions import NotConnected
+from counters.buffer import live
 from counters.buffer.cluster import ClusterClient
 from counters.buffer.store import Buffer
 from counters.write import sender
@@ -179,6 +180,16 @@ def counters_prefix(settings, suite_redis_url) -> Iterator[str]:
         client = client_module._clients.get(client_module.client_key())
         if client is not None and not isinstance(client, fakeredis.FakeRedis):
             _delete_prefix(client, prefix)
+
+
+@pytest.fixture(autouse=True)
+def live_counters(request, monkeypatch) -> set[str]:
+    """The live counters of this test: none, so that the push path's tests keep testing the
+    path of a counter that is not live, unless the test is marked ``live`` (the example's
+    own, ``unread``, is live in its processes: the ones the tests start keep it live)."""
+    names = set(live.LIVE_COUNTERS) if request.node.get_closest_marker("live") else set()
+    monkeypatch.setattr(live, "LIVE_COUNTERS", names)
+    return names
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,14 @@ class UnknownCounter(CountersError, LookupError):
         super().__init__(f"no counter named {name!r} is registered")
 
 
+class NotLive(CountersError, ValueError):
+    """``awatch`` of a counter not declared with ``track(..., live=True)``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"counter {name!r} is not live: declare it with track(..., live=True)")
+
+
 class InvalidKey(CountersError, ValueError):
     """``key`` is no valid key of counter ``counter``; ``reason`` says why.
 

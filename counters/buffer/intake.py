@@ -18,6 +18,7 @@ from redis.commands.core import Script
 
 from counters.base.exceptions import ScoreLimitExceeded, StalePush, UnexpectedScriptReply
 from counters.base.utils import to_str
+from counters.buffer import live
 from counters.buffer.keyspace import SCORE_LIMIT, Keyspace
 from counters.buffer.pushids import PushId
 from counters.buffer.scripts import DrainScript
@@ -73,6 +74,8 @@ class Intake(Keyspace):
                 entry = self._push_keys_cache.get((shard, writer))
                 if entry is None:
                     entry = self._push_entry(shard, writer)
+                if live.LIVE_COUNTERS and live.is_live(member):  # with its channel
+                    entry = live.live_entry(self, shard, writer, entry[0])
                 keys, head = entry
                 call = [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, seq, member, delta]
                 plan = PushPlan(push_id, deltas, {shard: [member, delta]}, {}, [(keys, call)])
@@ -96,13 +99,15 @@ class Intake(Keyspace):
             args += (member, int(delta))
         now_ms = time.time_ns() // 1_000_000
         writer, seq = pid.writer, pid.seq
-        calls = [
+        calls: Sequence[tuple[Sequence[str], list]] = [
             (
                 self._push_keys(shard, writer),
                 [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, seq, *args],
             )
             for shard, args in groups.items()
         ]
+        if live.LIVE_COUNTERS:  # members of live counters: published by the script
+            calls = live.live_calls(self.prefix, groups, calls)
         return PushPlan(push_id, deltas, groups, refused, calls)
 
     def wire_one(self, member: str, delta: int, writer: str, seq: int) -> bytes | None:
@@ -124,12 +129,14 @@ class Intake(Keyspace):
         entry = self._push_keys_cache.get((shard, writer))
         if entry is None:
             entry = self._push_entry(shard, writer)
+        if live.LIVE_COUNTERS and live.is_live(member):  # with its channel
+            entry = live.live_entry(self, shard, writer, entry[0])
         head = entry[1]
         if not head:
             return None
         return encode_one(head, time.time_ns() // 1_000_000, seq, member, delta)
 
-    def _push_keys(self, shard: int, writer: str) -> tuple[str, str, str]:
+    def _push_keys(self, shard: int, writer: str) -> tuple[str, ...]:
         """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since.
 
         Kept per (shard, writer): a process pushes with a few writers (its pool). The same
@@ -140,7 +147,7 @@ class Intake(Keyspace):
             entry = self._push_entry(shard, writer)
         return entry[0]
 
-    def _push_entry(self, shard: int, writer: str) -> tuple[tuple[str, str, str], str]:
+    def _push_entry(self, shard: int, writer: str) -> tuple[tuple[str, ...], str]:
         """:meth:`_push_keys` and the encoded start of a one-member push with them
         (:func:`push_head`), kept."""
         cache = self._push_keys_cache

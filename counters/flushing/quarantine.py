@@ -25,6 +25,7 @@ from collections import defaultdict
 from typing import Any
 
 from counters.base.utils import capped, first_line
+from counters.buffer import live
 from counters.buffer.store import Batch, Buffer, Quarantined
 from counters.flushing.fence import Fence, fenced
 from counters.flushing.result import FlushResult
@@ -164,6 +165,7 @@ def discard(buffer: Buffer, fence: Fence) -> int:
         if not entries:
             return 0
         discarded = buffer.discard(entries)
+    live.publish(buffer.client, buffer.prefix, buffer.shards, {e.member for e in entries})
     logger.warning(
         "discarded %s quarantined deltas of prefix %r (sum %+d): %s",
         discarded,

@@ -36,6 +36,7 @@ from django.db.models import Q
 from counters.base import backends, registry
 from counters.base.exceptions import TrackedTooEarly, TrackingError, UnknownCounter
 from counters.base.utils import concrete_model, related_model, target_field
+from counters.buffer.live import make_live
 from counters.tracking import keys, m2m, refusals
 from counters.tracking.paths import Hop, PathError, resolve
 from counters.tracking.routes import install_tracked
@@ -110,6 +111,7 @@ def track(
     into: str,
     where: Q | None = None,
     amount: str | None = None,
+    live: bool = False,
 ) -> Tracker:
     """Count the rows of ``model`` per ``key`` into ``into`` (``"app_label.Model.field"``).
 
@@ -122,7 +124,10 @@ def track(
     ``amount`` (an integer field) is added instead of 1. A counter without
     ``amount`` is a count of rows and never reads below zero. Call it from
     an ``AppConfig.ready()`` (earlier, :class:`TrackedTooEarly` is raised);
-    the same declaration twice is harmless.
+    the same declaration twice is harmless. ``live`` makes the counter watchable
+    (:func:`counters.awatch`): its changes are published on a Redis shard channel;
+    a counter that is not live costs nothing more. Declare it live in every process
+    that writes it (the same ``ready()`` does).
     """
     if not apps.models_ready:  # one clear error, not the registry's own from deep inside
         raise TrackedTooEarly(str(name))
@@ -148,6 +153,8 @@ def track(
     existing = find_tracker(name)
     if existing is not None:
         if existing.signature == tracker.signature:
+            if live:
+                make_live(name)
             return existing
         raise TrackingError(
             "counters.E014", name, f"already tracked with other arguments {existing.signature}"
@@ -156,6 +163,8 @@ def track(
     add_tracker(tracker)
     install_tracked(tracker)
     m2m.install(tracker.model)
+    if live:
+        make_live(name)
     logger.debug("tracking %s: %s", tracker.name, tracker.signature)
     return tracker
 

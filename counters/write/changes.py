@@ -13,7 +13,7 @@ nothing for the flush. Public as ``counters.signals.applied``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import partial
 from typing import Any
 
@@ -21,6 +21,8 @@ from django.db import connections, transaction
 from django.dispatch import Signal
 
 from counters.base.registry import get_spec
+from counters.buffer import live
+from counters.client import get_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +71,21 @@ def send(changes: Mapping[str, Mapping[Any, int]], using: str) -> None:
             applied.send_robust(get_spec(name).model, counter=name, deltas=deltas, using=using)
         except Exception:  # an unknown counter: nothing a receiver could be told
             logger.exception("could not send counters.signals.applied for %s", name)
+
+
+def publish_live(members: Iterable[str], using: str) -> None:
+    """Announce to the watchers of live counters (:mod:`counters.read.watch`) a change of
+    ``members`` that did not go through a push (a direct write, a discard), once the current
+    transaction commits: now outside ``atomic()``, never if it rolls back. Costs nothing
+    while no counter is live."""
+    if not live.LIVE_COUNTERS:
+        return
+    changed = [m for m in members if live.is_live(m)]
+    if not changed:
+        return
+    buffer = get_buffer(using)
+    send = partial(live.publish, buffer.client, buffer.prefix, buffer.shards, changed)
+    if connections[using].in_atomic_block:
+        transaction.on_commit(send, using=using, robust=True)
+    else:
+        send()

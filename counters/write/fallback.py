@@ -69,6 +69,7 @@ def write_direct(
             if done is None:  # the outbox row was gone: a flush counted it
                 return False
             _written(*done, using, batch_id)
+            changes.publish_live(deltas, using)
             return True
         except (OperationalError, IntegrityError) as exc:
             if manual:

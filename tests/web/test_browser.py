@@ -1,11 +1,13 @@
 """The inbox in a real browser: Debian's Chromium, headless, driven by Playwright.
 
 Logs in, reads the badge, marks one notification read and sees the badge drop
-by one, then sees it rise, without a reload, when another process creates a
-notification. Saves a screenshot of the inbox; with TALLY_SCREENSHOT=docs/inbox.png
-it refreshes the one the README shows. The actions happen in place (same
-document, same URL and scroll position), "Mark read" and "Mark unread" are
-equally wide, and a deletion can be undone until its delay has passed.
+by one, then sees it rise and the new notification at the top of the list, without
+a reload or a click, when another process creates it. Saves a screenshot of the
+inbox; with TALLY_SCREENSHOT=docs/inbox.png it refreshes the one the README shows.
+The actions happen in place (same document, same URL and scroll position), keep
+the focus on the pressed control, "Mark read" and "Mark unread" are equally wide,
+a deletion changes the badge at once and can be undone until its delay has passed,
+and the badge stays in view on a small screen.
 """
 
 from __future__ import annotations
@@ -118,11 +120,13 @@ def test_badge_drops_on_read_and_rises_on_a_notification_from_another_process(
             expect(count).to_have_text(str(before), timeout=20_000)
             assert page.evaluate("window.sameDocument") is True  # updated without a reload
             expect(page).to_have_title(f"({before}) Notifications · Tally")
+            # The new notification is in the list, at the top, announced politely.
+            first = page.locator(".notification").first
+            expect(first).to_contain_text("carol replied to your comment")
+            expect(first).to_have_class(re.compile(r"\bis-unread\b"))
             status = page.locator("#live-status")
-            expect(status).to_have_text("New notifications have arrived. Show them")
-            expect(status.get_by_role("link", name="Show them")).to_have_attribute(
-                "href", "/notifications/"
-            )
+            expect(status).to_have_attribute("aria-live", "polite")
+            expect(status).to_have_text("New notification: carol replied to your comment")
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot))
             assert screenshot.stat().st_size > 10_000
@@ -190,6 +194,7 @@ def test_mark_read_unread_and_all_in_place(browser_page, live_server, alice, bob
     expect(item).not_to_have_class(re.compile(r"\bis-unread\b"))
     toggle = item.get_by_role("button", name="Mark unread: event 07")
     expect(toggle).to_be_visible()
+    expect(toggle).to_be_focused()  # the pressed button keeps the focus
     expect(page.locator("#toast")).to_have_text("Marked read: event 07")
     assert truth(alice) == unread - 1
     assert (page.url, page.evaluate("window.scrollY")) == (url, scroll)
@@ -203,12 +208,16 @@ def test_mark_read_unread_and_all_in_place(browser_page, live_server, alice, bob
     toggle.click()
     expect(count).to_have_text(str(unread))
     expect(item.get_by_role("button", name="Mark read: event 07")).to_be_visible()
+    expect(item.get_by_role("button", name="Mark read: event 07")).to_be_focused()
+    expect(page.locator("#toast")).to_have_text("Marked unread: event 07")
     assert truth(alice) == unread
 
     page.get_by_role("button", name="Mark all read").click()
     expect(count).to_have_text("0")
     expect(page.locator(".notification.is-unread")).to_have_count(0)
-    expect(page.get_by_role("button", name="Mark all read")).to_be_disabled()
+    read_all = page.get_by_role("button", name="Mark all read")
+    expect(read_all).to_have_attribute("aria-disabled", "true")
+    expect(read_all).to_be_focused()  # disabled for the pointer, still holding the focus
     expect(page).to_have_title("Notifications · Tally")
     # Also the oldest ones, on page 2: everything up to the newest one when the page loaded.
     expect(page.locator("#toast")).to_have_text(f"Marked {unread} notifications read.")
@@ -229,19 +238,26 @@ def test_delete_hides_the_item_with_an_undo_then_deletes_it(
     target = Notification.objects.get(recipient=alice, verb="event 05")
     item = page.locator(f"#notification-{target.pk}")
 
+    assert not target.is_read
     item.get_by_role("button", name="Delete: event 05").click()
     expect(item).to_be_hidden()
     undo = page.get_by_role("button", name="Undo delete: event 05")
     expect(undo).to_be_focused()
     expect(page.locator(".undo-row")).to_have_text("Deleted: event 05. Undo")
+    # The badge and the toast show the deletion at once; Undo takes both back.
+    expect(count).to_have_text(str(unread - 1))
+    expect(page.locator("#toast")).to_have_text("Deleted: event 05")
     undo.click()
     expect(item).to_be_visible()
     expect(page.locator(".undo-row")).to_have_count(0)
     assert Notification.objects.filter(pk=target.pk).exists()
     expect(count).to_have_text(str(unread))
+    expect(page.locator("#toast")).to_have_text("Kept: event 05")
+    expect(item.get_by_role("button", name="Delete: event 05")).to_be_focused()
 
     item.get_by_role("button", name="Delete: event 05").click()
     expect(item).to_be_hidden()
+    expect(count).to_have_text(str(unread - 1))
     assert Notification.objects.filter(pk=target.pk).exists()  # not sent before the undo time
     page.clock.run_for(6_000)
     expect(item).to_have_count(0)
@@ -252,3 +268,18 @@ def test_delete_hides_the_item_with_an_undo_then_deletes_it(
     assert truth(alice) == unread - 1
     assert page.evaluate("window.sameDocument") is True
     assert_exact(alice, bob)
+
+
+def test_badge_stays_in_view_on_a_small_screen(browser_page, live_server, alice, bob, many):
+    page = browser_page
+    page.set_viewport_size({"width": 390, "height": 844})
+    open_inbox(page, live_server)
+    badge = page.locator("#unread-badge")
+    expect(badge).to_have_text(re.compile(rf"^{truth(alice)}\b"))
+    page.locator(".notification").last.scroll_into_view_if_needed()
+    assert page.evaluate("window.scrollY") > 500
+    expect(badge).to_be_in_viewport()
+    box = badge.bounding_box()
+    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 120, box
+    # Nothing is wider than the screen.
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390

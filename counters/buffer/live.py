@@ -1,0 +1,128 @@
+"""Live counters: their changes published on a shard channel, for watchers to re-read.
+
+A counter made live (``track(..., live=True)``) has its changes announced on
+the shard channel of its member's shard, ``<prefix>:{sN}:live`` (the shard's
+hash tag, so a Redis Cluster 7+ or Valkey routes it with the shard's keys).
+A message is the changed members, one per line; it carries no value: a
+watcher re-reads the exact value (:mod:`counters.read.watch`), so a lost or
+late message makes a value late, never wrong.
+
+Two publishers:
+
+- the push script itself, for the live members of a push: the shard's channel
+  is one more key; in a push of some live members and some not, their pairs
+  come first and their number is one more argument (:func:`live_calls`). A
+  push of one live member is encoded as fast as any (:func:`live_entry`). A
+  push with no live member is sent exactly as before, and the script does no
+  more work for it;
+- :func:`publish`, called after the COMMIT of a change that does not go
+  through a push: a direct write when Redis is down, a discard of
+  quarantined deltas.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+from zlib import crc32
+
+from redis.exceptions import RedisError, ResponseError
+
+from counters.buffer.cluster import Client
+
+if TYPE_CHECKING:
+    from counters.buffer.intake import Intake
+
+logger = logging.getLogger(__name__)
+
+#: The (shard, writer) keys of pushes of live members kept (as ``PUSH_KEYS_CACHED``).
+LIVE_KEYS_CACHED = 4096
+
+#: Names of the live counters of this process (``track(..., live=True)``).
+LIVE_COUNTERS: set[str] = set()
+
+
+def make_live(name: str) -> None:
+    """Publish the changes of counter ``name`` from now on."""
+    LIVE_COUNTERS.add(name)
+
+
+def is_live(member: str) -> bool:
+    """Whether ``member`` (``"<counter>:<key>"``) belongs to a live counter."""
+    return member.partition(":")[0] in LIVE_COUNTERS
+
+
+def channel(prefix: str, shard: int) -> str:
+    """The shard channel of ``shard``'s live members."""
+    return f"{prefix}:{{s{shard}}}:live"
+
+
+def live_entry(
+    intake: Intake, shard: int, writer: str, keys: tuple[str, ...]
+) -> tuple[tuple[str, ...], str]:
+    """The keys of a push of live members only in ``shard`` by ``writer`` (``keys``, the
+    push's own, and the shard's channel) and the encoded start of such a push of one member
+    (its arguments are those of any push: every member it names is live), kept."""
+    cache = intake._live_keys_cache
+    entry = cache.get((shard, writer))
+    if entry is None:
+        from counters.buffer.intake import push_head  # (intake imports this module)
+
+        if len(cache) >= LIVE_KEYS_CACHED:
+            cache.clear()  # retired writers' keys
+        live_keys = (*keys, channel(intake.prefix, shard))
+        entry = cache[(shard, writer)] = (live_keys, push_head(intake._push.sha, live_keys))
+    return entry
+
+
+def live_calls(
+    prefix: str,
+    groups: Mapping[int, Sequence[str | int]],
+    calls: Sequence[tuple[Sequence[str], list]],
+) -> list[tuple[Sequence[str], list]]:
+    """The push script's calls (one per shard of ``groups``, in its order) with the shard's
+    channel as a fourth key where some members are live: all of them (the arguments as
+    they are), or some (their pairs first, their number after the four fixed arguments).
+    A call without a live member is returned as it is."""
+    out: list[tuple[Sequence[str], list]] = []
+    for (shard, args), (keys, call) in zip(groups.items(), calls, strict=True):
+        mine: list[str | int] = []
+        rest: list[str | int] = []
+        for i in range(0, len(args), 2):
+            (mine if is_live(str(args[i])) else rest).extend(args[i : i + 2])
+        if not mine:
+            out.append((keys, call))
+        elif not rest:
+            out.append(((*keys, channel(prefix, shard)), call))
+        else:
+            out.append(((*keys, channel(prefix, shard)), [*call[:4], len(mine) // 2, *mine, *rest]))
+    return out
+
+
+def publish(client: Client, prefix: str, shards: int, members: Iterable[str]) -> None:
+    """Announce a committed change of ``members`` (those of live counters) on their shard
+    channels, in one round trip. Never raises: a watcher that misses it re-reads the value
+    when its connection comes back, and a failure is logged."""
+    by_shard: dict[int, list[str]] = defaultdict(list)
+    for member in members:
+        if is_live(member):
+            by_shard[crc32(member.encode()) % shards].append(member)
+    if not by_shard:
+        return
+    try:
+        try:
+            _send(client, by_shard, prefix, "spublish")
+        except ResponseError:  # Redis before 7: no shard channels
+            _send(client, by_shard, prefix, "publish")
+    except RedisError as exc:
+        count = sum(len(changed) for changed in by_shard.values())
+        logger.warning("could not announce the changes of %s live members: %s", count, exc)
+
+
+def _send(client: Client, by_shard: Mapping[int, list[str]], prefix: str, command: str) -> None:
+    pipe = client.pipeline(transaction=False)
+    for shard, changed in by_shard.items():
+        getattr(pipe, command)(channel(prefix, shard), "\n".join(sorted(changed)))
+    pipe.execute()

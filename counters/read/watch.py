@@ -1,0 +1,339 @@
+"""Watching live counters: ``awatch(name, key)`` yields a key's exact value on every change.
+
+A live counter (``track(..., live=True)``) has its changes announced on the
+shard channels of its buffer (:mod:`counters.buffer.live`): by the push
+script for pushes, after COMMIT for direct writes and discards. A message
+names the changed members, never a value: a watcher woken by one re-reads
+the exact value (:func:`counters.read.values.get_values`, in the event loop's
+shared thread pool, one read for all the watchers an announcement wakes), so a lost message
+makes a value late, never wrong.
+
+One :class:`Dispatcher` per event loop and buffer holds the subscriptions:
+one connection per Redis node (one for a single Redis, one per master of a
+Redis Cluster that holds shards), however many watchers it serves, subscribed
+with ``SSUBSCRIBE`` to every shard channel of the buffer. It wakes the
+watchers of each member announced, and every watcher whenever its
+connections are made again (after Redis restarted, a failover, a network
+cut), since announcements may have been missed meanwhile. It closes its
+connections when its last watcher leaves. Redis 7 and Valkey have shard
+channels; on Redis 6.2 plain channels serve (a single Redis or Sentinel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import AsyncGenerator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from asgiref.sync import sync_to_async
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, close_old_connections
+from redis.asyncio import Redis as AsyncRedis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+from redis.retry import Retry
+
+from counters.base import conf
+from counters.base.exceptions import NotLive
+from counters.base.registry import get_spec
+from counters.buffer import live
+from counters.buffer.cluster import ClusterClient
+from counters.buffer.connections import HEALTH_CHECK_INTERVAL, redis_scheme
+from counters.buffer.store import Buffer
+from counters.client import get_buffer
+from counters.read.values import get_values
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two attempts to subscribe again while Redis is unreachable (at most).
+RECONNECT_MAX_S = 2.0
+#: Seconds a new watcher waits for the subscription before its first read, at most.
+SUBSCRIBE_WAIT_S = 1.0
+#: Seconds a watcher whose read failed waits before it reads again (unless woken sooner).
+READ_RETRY_S = 1.0
+
+
+async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGenerator[int, None]:
+    """The exact value of counter ``name`` at ``key``: at once, then after every change.
+
+    Changes close together may come as one value (the newest), and a value may
+    repeat (a +1 and a -1 between two reads). While Redis or the database is
+    unreachable the watcher waits, and reads again as soon as the dispatcher's
+    connection is back. Raises :class:`NotLive` for a counter that is not live,
+    and :class:`~counters.base.exceptions.InvalidKey` for a key it cannot have.
+    """
+    spec = get_spec(name)
+    if name not in live.LIVE_COUNTERS:
+        raise NotLive(name)
+    member = spec.member(key)
+    alias = using or DEFAULT_DB_ALIAS
+    dispatcher = Dispatcher.of(get_buffer(alias))
+    event = dispatcher.add(member)
+    try:
+        # The first value is read once the subscription is in place (unless Redis is slow
+        # to answer), so no change falls between the two.
+        await _wait(dispatcher.subscribed, SUBSCRIBE_WAIT_S)
+        while True:
+            event.clear()  # before the read: a change made during it wakes us again
+            try:
+                value = await _read(name, key, alias)
+            except (RedisError, DatabaseError) as exc:
+                logger.info("watch of %s: read failed, waiting: %s", member[:200], exc)
+                await _wait(event, READ_RETRY_S)
+                continue
+            yield value
+            await event.wait()
+    finally:
+        dispatcher.remove(member, event)
+
+
+def _exact_values(wanted: list[tuple[str, Any, str]]) -> dict[tuple[str, Any, str], int]:
+    """The exact values of ``wanted`` ((name, key, alias) each), read together: one
+    :func:`~counters.read.values.get_values` per counter and database, in a thread of the
+    loop's shared pool. Each call is a request to Django's connection handling: its
+    connections are closed after it unless ``CONN_MAX_AGE`` keeps them."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for name, key, using in wanted:
+        groups.setdefault((name, using), []).append(key)
+    close_old_connections()
+    try:
+        out = {}
+        for (name, using), keys in groups.items():
+            values = get_values(name, keys, using=using)
+            out.update({(name, key, using): values[key] for key in keys})
+        return out
+    finally:
+        close_old_connections()
+
+
+class Reads:
+    """The reads of one event loop's watchers, batched: the watchers one announcement wakes
+    ask in the same turn of the loop, and one read in the shared pool answers them all
+    (a stream's request thread, and its database connection, are never held)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[tuple[str, Any, str], list[asyncio.Future[int]]] = {}
+        self.running: asyncio.Task[None] | None = None
+
+    async def get(self, name: str, key: Any, using: str) -> int:
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault((name, key, using), []).append(future)
+        if self.running is None:
+            self.running = asyncio.ensure_future(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        await asyncio.sleep(0)  # the other watchers woken with this one ask first
+        waiting, self.waiting, self.running = self.waiting, {}, None
+        try:
+            values = await sync_to_async(_exact_values, thread_sensitive=False)(list(waiting))
+        except Exception as exc:
+            for futures in waiting.values():
+                for future in futures:
+                    if not future.done():
+                        future.set_exception(exc)
+            return
+        for wanted, futures in waiting.items():
+            for future in futures:
+                if not future.done():
+                    future.set_result(values[wanted])
+
+
+#: The batched reads of each event loop.
+_reads: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reads] = weakref.WeakKeyDictionary()
+
+
+async def _read(name: str, key: Any, using: str) -> int:
+    loop = asyncio.get_running_loop()
+    reads = _reads.get(loop)
+    if reads is None:
+        reads = _reads[loop] = Reads()
+    return await reads.get(name, key, using)
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+
+
+#: The dispatchers of each event loop, by buffer (client, prefix, shards).
+_dispatchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, Dispatcher]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class Dispatcher:
+    """The subscriptions of one event loop to one buffer's shard channels (see the module)."""
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.buffer = buffer
+        #: member -> the events of its watchers.
+        self.watchers: dict[str, set[asyncio.Event]] = {}
+        self.task: asyncio.Task[None] | None = None
+        #: Times the subscriptions were made (the first time, and each reconnection).
+        self.connects = 0
+        #: Redis connections held now (one per node subscribed to).
+        self.connections = 0
+        #: Set while subscribed on every node.
+        self.subscribed = asyncio.Event()
+
+    @classmethod
+    def of(cls, buffer: Buffer) -> Dispatcher:
+        """The running loop's dispatcher of ``buffer``, made at first use."""
+        per_loop = _dispatchers.setdefault(asyncio.get_running_loop(), {})
+        key = (id(buffer.client), buffer.prefix, buffer.shards)
+        dispatcher = per_loop.get(key)
+        if dispatcher is None:
+            dispatcher = per_loop[key] = cls(buffer)
+        return dispatcher
+
+    def add(self, member: str) -> asyncio.Event:
+        """A new watcher of ``member``: its event, set on each change."""
+        event = asyncio.Event()
+        self.watchers.setdefault(member, set()).add(event)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        return event
+
+    def remove(self, member: str, event: asyncio.Event) -> None:
+        events = self.watchers.get(member)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self.watchers[member]
+        if not self.watchers and self.task is not None:
+            self.task.cancel()  # nobody watches: the connections are closed
+            self.task = None
+
+    def wake(self, members: list[str] | None = None) -> None:
+        """Wake the watchers of ``members`` (all watchers if None)."""
+        if members is None:
+            groups = list(self.watchers.values())
+        else:
+            groups = [self.watchers[m] for m in members if m in self.watchers]
+        for events in groups:
+            for event in events:
+                event.set()
+
+    async def _run(self) -> None:
+        """Subscribe, listen, and subscribe again after any failure, until cancelled."""
+        delay = 0.05
+        while True:
+            before = self.connects
+            try:
+                nodes = await sync_to_async(node_channels, thread_sensitive=False)(self.buffer)
+                await self._listen_all(nodes)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis down, a slot moved: subscribe again
+                logger.info("live counters of %r: subscription lost: %s", self.buffer.prefix, exc)
+                if isinstance(self.buffer.client, ClusterClient):
+                    await sync_to_async(self.buffer.client.refresh, thread_sensitive=False)()
+            # Quickly again after a connection that worked; slower while none does.
+            delay = 0.05 if self.connects != before else min(delay * 2, RECONNECT_MAX_S)
+            await asyncio.sleep(delay)
+
+    async def _listen_all(self, nodes: dict[str, list[str]]) -> None:
+        """Subscribe on every node, wake every watcher, then dispatch until one node fails."""
+        ready: set[str] = set()
+        tasks = [
+            asyncio.ensure_future(self._listen(url, channels, ready, len(nodes)))
+            for url, channels in nodes.items()
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # raises the failure
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _listen(
+        self,
+        url: str,
+        channels: list[str],
+        ready: set[str],
+        nodes: int,
+    ) -> None:
+        """Subscribe to ``channels`` at ``url`` and wake the watchers of what is announced;
+        once every node is subscribed (``ready``), wake every watcher."""
+        client = AsyncRedis.from_url(
+            url,
+            socket_connect_timeout=conf.socket_timeout(),
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=HEALTH_CHECK_INTERVAL,
+        )
+        pubsub = client.pubsub()
+        self.connections += 1
+        try:
+            sharded = await _sharded(client)
+            for name in channels:  # one command each: a cluster takes one slot a command
+                await (pubsub.ssubscribe(name) if sharded else pubsub.subscribe(name))
+            confirmed = 0
+            while True:
+                message = await pubsub.get_message(timeout=HEALTH_CHECK_INTERVAL)
+                if message is None:
+                    continue
+                kind = message["type"]
+                if kind in ("smessage", "message"):
+                    self.wake(_text(message["data"]).split("\n"))
+                elif kind in ("ssubscribe", "subscribe"):
+                    confirmed += 1
+                    if confirmed == len(channels):
+                        ready.add(url)
+                        if len(ready) == nodes:  # subscribed everywhere: re-read everything
+                            self.connects += 1
+                            self.subscribed.set()
+                            self.wake()
+                elif kind == "sunsubscribe":  # the slot moved away (cluster)
+                    raise RedisError(f"unsubscribed from {_text(message['channel'])}")
+        finally:
+            self.subscribed.clear()
+            self.connections -= 1
+            await pubsub.aclose()
+            await client.aclose()
+
+
+async def _sharded(client: AsyncRedis) -> bool:
+    """Whether the server has shard channels (Redis 7, Valkey): else plain ones serve."""
+    try:
+        await client.execute_command("PUBSUB", "SHARDNUMSUB")
+    except ResponseError:
+        return False
+    return True
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def node_channels(buffer: Buffer) -> dict[str, list[str]]:
+    """The shard channels of ``buffer`` by the URL of the Redis node that serves them."""
+    channels = [live.channel(buffer.prefix, shard) for shard in range(buffer.shards)]
+    client = buffer.client
+    url = redis_scheme(conf.redis_url())
+    if isinstance(client, ClusterClient):
+        by_node: dict[str, list[str]] = {}
+        first = redis_scheme(client.urls[0])
+        for name in channels:
+            node = client.get_node_from_key(name)
+            by_node.setdefault(_at(first, node.host, node.port), []).append(name)
+        return by_node
+    pool = client.connection_pool
+    master = getattr(pool, "get_master_address", None)  # through Sentinel
+    if master is not None:
+        host, port = master()
+        return {_at(url, host, port): channels}
+    return {url: channels}
+
+
+def _at(url: str, host: str, port: int) -> str:
+    """``url`` (its scheme, credentials, database, options) at ``host:port``."""
+    parts = urlsplit(url)
+    credentials = parts.netloc.rpartition("@")[0]
+    netloc = f"{credentials}@{host}:{port}" if credentials else f"{host}:{port}"
+    return urlunsplit(parts._replace(netloc=netloc))
