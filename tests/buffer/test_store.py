@@ -105,6 +105,15 @@ def test_since_marks_when_a_shard_became_non_empty_and_clears_when_drained(buf, 
     buf.ack(0, batch.batch_id)
 
 
+def test_since_clears_when_deltas_cancel_out_and_marks_the_next_push(buf, client):
+    buf.push({"c:1": 1}, "p1")
+    assert client.get("t:{s0}:since") is not None
+    buf.push({"c:1": -1}, "p2")  # the set is empty again: no lag is left behind
+    assert client.get("t:{s0}:since") is None
+    buf.push({"c:3": 1}, "p3")
+    assert int(client.get("t:{s0}:since")) > 0
+
+
 # -- push ---------------------------------------------------------------------------
 
 

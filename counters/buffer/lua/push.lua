@@ -1,7 +1,8 @@
 -- Add deltas to one shard's pending set as one push of a writer: at most once, in order.
 -- KEYS[1] pending: the shard's pending set, member -> summed delta
 -- KEYS[2] writer: the writer's hash: 'seq' highest push applied here, 'fenced' lowest fenced
--- KEYS[3] since: ms time the pending set last became non-empty (set if absent)
+-- KEYS[3] since: ms time the pending set last became non-empty (set if absent, deleted
+--   when the push leaves the set empty)
 -- KEYS[4] live (only in a push with live members): the shard channel their changes go to
 -- ARGV[1] ttl: ms the writer's hash lives after its last push or fence
 -- ARGV[2] sent_at: ms time the writer sent the push
@@ -37,11 +38,15 @@ if #refused > 1 then return refused end
 redis.call('HSET', writer, 'seq', seq)
 redis.call('PEXPIRE', writer, ttl)
 redis.call('SET', since, sent_at, 'NX')
+local emptied = false
 for i = first, #ARGV, 2 do
   if tonumber(redis.call('ZINCRBY', pending, ARGV[i + 1], ARGV[i])) == 0 then
     redis.call('ZREM', pending, ARGV[i])
+    emptied = true
   end
 end
+-- deltas that cancelled out may leave the set empty: its mark goes with it
+if emptied and redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
 if live > 0 then
   local changed = {}
   for i = first, first + 2 * live - 2, 2 do changed[#changed + 1] = ARGV[i] end
