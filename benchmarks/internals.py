@@ -19,7 +19,7 @@ from redis import Redis
 
 from counters.base import conf
 from counters.base.utils import batched, column, first_line, model_field, to_str
-from counters.buffer import pushids
+from counters.buffer import live, pushids
 from counters.buffer.cluster import ClusterClient
 from counters.buffer.keyspace import int_reply
 from counters.buffer.line import Line
@@ -56,6 +56,7 @@ __all__ = [
     "first_line",
     "flush_part",
     "int_reply",
+    "live",
     "model_field",
     "partition",
     "pushids",

@@ -110,8 +110,8 @@ def main() -> int:
     from django.contrib.auth import get_user_model
 
     import counters
+    from benchmarks.internals import live
     from benchmarks.writers import operations, set_mode
-    from counters.buffer import live
     from notifications.apps import UNREAD_COUNTER
     from notifications.models import Notification
 

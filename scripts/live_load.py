@@ -168,10 +168,10 @@ def summary(name: str, delays: list[float | None]) -> str:
 async def measure(args: argparse.Namespace, web: subprocess.Popen, port: int, users) -> None:
     import redis
     from asgiref.sync import sync_to_async
+    from django.conf import settings
 
-    from counters.base import conf
-
-    server = redis.Redis.from_url(conf.redis_url())
+    url = getattr(settings, "COUNTERS_REDIS_URL", None) or os.environ.get("COUNTERS_REDIS_URL")
+    server = redis.Redis.from_url(url or settings.REDIS_URL)
     base_rss = rss_kib(web.pid)
     streams = [Stream(uid) for uid, _ in users]
     started = time.monotonic()
