@@ -203,7 +203,7 @@ class CounterAdmin(admin.ModelAdmin):
         except CountersError as exc:  # a rebuild or audit runs, Redis is down ...
             self.message_user(request, f"Rebuild stopped: {exc}", messages.ERROR)
             return
-        text = f"{done} counters checked; " + (
+        text = f"{done} {'counter' if done == 1 else 'counters'} checked; " + (
             f"{len(wrong)} repaired ("
             + ", ".join(f"{n} {d.key}: {d.stored + d.pending} → {d.truth}" for n, d in wrong)
             + ")"

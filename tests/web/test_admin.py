@@ -124,7 +124,7 @@ def test_rebuild_action_repairs_drift_through_the_delta_path(staff, alice, bob):
     response = staff.post(
         COUNTERS, {"action": "rebuild_selected", "_selected_action": [alice.pk]}, follow=True
     )
-    assert "1 counters checked; all were exact." in response.content.decode()
+    assert "1 counter checked; all were exact." in response.content.decode()
 
 
 def test_rebuild_reports_exact_before_and_truth_of_each_wrong_row(staff, alice, bob):
