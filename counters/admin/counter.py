@@ -131,7 +131,20 @@ def _sign_filter(spec: CounterSpec) -> type[admin.SimpleListFilter]:
     )
 
 
-class CounterAdmin(admin.ModelAdmin):
+class ReadOnly:
+    """A ``ModelAdmin`` mixin: rows change only through the flush, never by hand here."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class CounterAdmin(ReadOnly, admin.ModelAdmin):
     """The admin of a model that holds counter fields (see the module's docstring).
 
     ``counters``: the names of the counters shown (default: every counter stored in this
@@ -218,13 +231,3 @@ class CounterAdmin(admin.ModelAdmin):
     def has_rebuild_permission(self, request: HttpRequest) -> bool:
         opts = self.model._meta
         return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
-
-    # Rows change only through the flush: no adding, editing or deleting here.
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False

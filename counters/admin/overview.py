@@ -16,13 +16,14 @@ from django.db import router
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 
+from counters.admin.counter import ReadOnly
 from counters.client import get_buffer
 from counters.models import CounterState
 from counters.ops.overview import overview
 
 
 @admin.register(CounterState)
-class CounterStateAdmin(admin.ModelAdmin):
+class CounterStateAdmin(ReadOnly, admin.ModelAdmin):
     """Every declared counter with its state; a page of its own, not a list of rows."""
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> TemplateResponse:
@@ -38,12 +39,3 @@ class CounterStateAdmin(admin.ModelAdmin):
             **(extra_context or {}),
         }
         return TemplateResponse(request, "admin/counters/overview.html", context)
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
