@@ -1,7 +1,6 @@
 """What a write run costs besides its time, sampled right before and right after it.
 
-- the Redis server: ``INFO cpu`` and ``INFO commandstats`` (the ``tally`` and
-  ``sender`` runs);
+- the Redis server: ``INFO cpu`` (every run) and ``INFO commandstats``;
 - the PostgreSQL backends serving the writers' connections: their CPU time,
   ``utime + stime`` of ``/proc/<pid>/stat``, when the server runs on this
   machine (the writers report ``pg_backend_pid()``); otherwise none;
@@ -148,16 +147,20 @@ def wal_position() -> int | None:
 class CostSample:
     backend_cpu_s: float | None
     wal: int | None
+    redis: RedisSample | None = None
 
 
 class CostProbe:
-    """Samples the writers' backends' CPU time and the WAL position, around each run."""
+    """Samples the writers' backends' CPU time, the WAL position and the buffer's Redis
+    (when given), around each run."""
 
-    def __init__(self, backend: BackendCpu) -> None:
+    def __init__(self, backend: BackendCpu, redis: RedisProbe | None = None) -> None:
         self.backend = backend
+        self.redis = redis
 
     def sample(self) -> CostSample:
-        return CostSample(self.backend.sample(), wal_position())
+        redis = self.redis.sample() if self.redis is not None else None
+        return CostSample(self.backend.sample(), wal_position(), redis)
 
 
 def _grown(total: float | None, before: float | None, after: float | None) -> float | None:
@@ -175,19 +178,27 @@ class Cost:
     writer_cpu_s: float = 0.0
     backend_cpu_s: float | None = 0.0
     wal_bytes: float | None = 0.0
+    redis_cpu_s: float | None = 0.0
 
     def add(self, ops: int, writer_cpu_s: float, before: CostSample, after: CostSample) -> None:
         self.ops += ops
         self.writer_cpu_s += writer_cpu_s
         self.backend_cpu_s = _grown(self.backend_cpu_s, before.backend_cpu_s, after.backend_cpu_s)
         self.wal_bytes = _grown(self.wal_bytes, before.wal, after.wal)
+        self.redis_cpu_s = _grown(
+            self.redis_cpu_s,
+            before.redis.cpu_s if before.redis is not None else None,
+            after.redis.cpu_s if after.redis is not None else None,
+        )
 
     def figures(self, mode: str) -> dict[str, float | None]:
-        """Writer CPU µs, backend CPU µs and WAL bytes per insert (None: not measurable)."""
+        """Writer CPU µs, backend CPU µs, WAL bytes and Redis CPU µs per insert (None: not
+        measurable)."""
         ops = max(self.ops, 1)
-        backend, wal = self.backend_cpu_s, self.wal_bytes
+        backend, wal, redis = self.backend_cpu_s, self.wal_bytes, self.redis_cpu_s
         return {
             f"{mode}_writer_cpu_us": round(self.writer_cpu_s * 1e6 / ops, 1),
             f"{mode}_backend_cpu_us": None if backend is None else round(backend * 1e6 / ops, 1),
             f"{mode}_wal_bytes": None if wal is None else round(wal / ops, 1),
+            f"{mode}_redis_cpu_us": None if redis is None else round(redis * 1e6 / ops, 1),
         }

@@ -6,11 +6,11 @@ import statistics
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
-from .probes import Cost, CostProbe, RedisProbe, RedisUsage
+from .probes import Cost, CostProbe, RedisUsage
 from .trigger import CounterTrigger
 from .writers import WORKLOADS, WriterPool, percentile
 
-#: Modes whose runs the Redis probe samples.
+#: Modes whose EVALSHA calls are shown (Redis's CPU is sampled in every run of every mode).
 SAMPLED = ("tally", "sender", "batched", "floor_push")
 #: Ratios of ops/s, each the median of its per-round ratios: (numerator, denominator).
 RATIOS = (
@@ -43,10 +43,10 @@ RATIOS = (
 
 @dataclass(frozen=True)
 class Probes:
-    """What is sampled around the runs besides their rate."""
+    """What is sampled around the runs besides their rate: the costs (the buffer's Redis
+    among them, when sampled at all)."""
 
     costs: CostProbe
-    redis: RedisProbe | None = None
     #: The trigger of the ``trigger`` mode, installed around each of its runs.
     trigger: CounterTrigger | None = None
 
@@ -73,16 +73,14 @@ def run_once(
             raise ValueError("the trigger mode needs the trigger")
         installed = probes.trigger.counting()
     with installed:
-        redis = probes.redis if kept is not None and mode in SAMPLED else None
-        server = redis.sample() if redis is not None else None
         before = probes.costs.sample()
         totals = pool.run(mode, workload, seconds, record=kept is not None)
         after = probes.costs.sample()
         if kept is not None:
             kept.rates.append(totals.rate)
             kept.cost.add(totals.ops, totals.cpu_s, before, after)
-            if redis is not None and server is not None:
-                kept.redis.add(server, redis.sample(), totals.ops)
+            if mode in SAMPLED and before.redis is not None and after.redis is not None:
+                kept.redis.add(before.redis, after.redis, totals.ops)
     return totals.rate
 
 
@@ -113,7 +111,7 @@ def measure(
             for mode in order:
                 run_once(pool, mode, workload, seconds, probes, kept[(workload, mode)])
     return {
-        workload: _figures(pool, workload, modes, kept, probes.redis is not None)
+        workload: _figures(pool, workload, modes, kept, probes.costs.redis is not None)
         for workload in WORKLOADS
     }
 

@@ -83,12 +83,13 @@ def _writes_at(
         backend = BackendCpu(pool.backend_pids, connection.settings_dict.get("HOST") or "")
         if backend.reason is not None:
             progress(f"writes: backend CPU n/a: {backend.reason}")
-        probes = rounds.Probes(CostProbe(backend), redis, counter_trigger)
+        probes = rounds.Probes(CostProbe(backend, redis), counter_trigger)
         result = rounds.measure(pool, modes, config.rounds, config.seconds, config.warmup, probes)
     finally:
         pool.close()
     result["processes"] = processes
     result["send_delay_ms"] = config.send_delay_ms
+    result["push_settings"] = dict(pool.push)
     result["backend_cpu_na"] = backend.reason
     result["load"] = report.load()
     return result, pool

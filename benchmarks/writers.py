@@ -64,6 +64,7 @@ from typing import Any
 from .child import ChildContext
 from .config import BATCHED_WRITE, SENDER_DELAY_MS
 from .errors import BenchError
+from .pushes import push_setting
 
 MODES = (
     "off",
@@ -145,6 +146,8 @@ class Done:
     latencies: list[float]
     #: CPU seconds of the writer process over the run (every thread), queue tail included.
     cpu_s: float = 0.0
+    #: The mode's merged-push setting in this writer (:func:`benchmarks.pushes.push_setting`).
+    push: str = ""
 
 
 @dataclass(frozen=True)
@@ -510,7 +513,7 @@ def writer_main(
             counters.push_queued()  # the queue's tail, before the next run
             for floor in FLOOR_MODES:
                 ops[floor].finish()  # type: ignore[attr-defined]
-            done = replace(done, cpu_s=time.process_time() - cpu)
+            done = replace(done, cpu_s=time.process_time() - cpu, push=push_setting(run.mode))
             conn.send(("done", done))
         except Exception as exc:
             conn.send(("error", f"{run.mode}/{run.workload}: {type(exc).__name__}: {exc}"))
@@ -538,6 +541,8 @@ class WriterPool:
         self.latencies: dict[tuple[str, str], list[float]] = {}
         #: ``pg_backend_pid()`` of each writer's connection (None: not PostgreSQL).
         self.backend_pids: list[int | None] = []
+        #: The merged-push setting each mode ran with, as its writers reported it.
+        self.push: dict[str, str] = {}
         try:
             for i in range(processes):
                 parent, child = ctx.Pipe()
@@ -588,6 +593,7 @@ class WriterPool:
                 raise self._exited(i) from exc
         done: list[Done] = self._collect(START_DELAY + seconds + self.timeout)
         self.ops[mode] += sum(d.ops for d in done)
+        self.push[mode] = " | ".join(sorted({d.push for d in done}))  # one, unless they differ
         if record:
             kept = self.latencies.setdefault((workload, mode), [])
             for d in done:

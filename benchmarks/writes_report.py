@@ -13,6 +13,7 @@ COSTS = (
     ("writer CPU µs", "writer_cpu_us"),
     ("backend CPU µs", "backend_cpu_us"),
     ("WAL bytes", "wal_bytes"),
+    ("Redis CPU µs", "redis_cpu_us"),
 )
 
 
@@ -161,8 +162,8 @@ def _costs(by_count: dict) -> list[str]:
         "",
         "cost per insert, over every recorded run: writer CPU (the writer processes, every "
         "thread), PostgreSQL backend CPU (the writers' backends, /proc/<pid>/stat), WAL bytes "
-        "(pg_current_wal_lsn, the whole server's), Redis CPU (INFO cpu, of the modes "
-        "sampled); n/a: not measurable here",
+        "(pg_current_wal_lsn, the whole server's), Redis CPU (INFO cpu used_cpu_sys + "
+        "used_cpu_user, the whole server's); n/a: not measurable here",
         f"{'procs':<6}{'workload':<9}{'per insert':<16}"
         + "".join(f"{m:>{_width(m)}}" for m in modes),
     ]
@@ -174,19 +175,20 @@ def _costs(by_count: dict) -> list[str]:
                     f"{count:<6}{name:<9}{label:<16}"
                     + "".join(_get(r, f"{m}_{figure}", _width(m), 1) for m in modes)
                 )
-            if "redis_cpu_us_per_push" in r:  # tally's figure has no prefix
-                lines.append(
-                    f"{count:<6}{name:<9}{'Redis CPU µs':<16}"
-                    + "".join(_get(r, _redis_cpu(m), _width(m), 1) for m in modes)
-                )
     reasons = sorted({r["backend_cpu_na"] for r in by_count.values() if r.get("backend_cpu_na")})
     lines += [f"backend CPU n/a: {reason}" for reason in reasons]
-    return lines
+    return lines + _pushes(first.get("push_settings") or {}, modes)
 
 
-def _redis_cpu(mode: str) -> str:
-    """The key of ``mode``'s Redis CPU per insert (sampled for a few modes only)."""
-    return "redis_cpu_us_per_push" if mode == "tally" else f"{mode}_redis_cpu_us_per_push"
+def _pushes(settings: dict[str, str], modes: list[str]) -> list[str]:
+    """The merged-push setting of each mode, as its writers reported it."""
+    shown = [m for m in modes if settings.get(m)]
+    if not shown:
+        return []
+    width = max(len(m) for m in shown) + 2
+    return ["", "merged pushes: how each mode's commits reached Redis in its writers"] + [
+        f"  {m:<{width}}{settings[m]}" for m in shown
+    ]
 
 
 def _width(mode: str) -> int:

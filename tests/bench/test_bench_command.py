@@ -6,6 +6,7 @@ No timing is asserted: the numbers depend on the machine and its load.
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 
@@ -41,6 +42,10 @@ RATIOS = (
 )
 #: Per-insert costs measured only on PostgreSQL (backend CPU: when the server is local).
 SERVER_COSTS = ("backend_cpu_us", "wal_bytes")
+#: Modes whose inserts send something to Redis: its CPU per insert is above 0.
+PUSHING = (
+    *("tally", "durable", "sender", "batched", "waited", "floor", "floor_push", "floor_durable"),
+)
 FIGURES = [
     ("machine", "nproc"),
     ("machine", "memory_mb"),
@@ -49,6 +54,7 @@ FIGURES = [
     *[("writes", w, f"{m}_{p}_ms") for w in WORKLOADS for m in MODES for p in ("p50", "p99")],
     *[("writes", w, f"{m}_writer_cpu_us") for w in WORKLOADS for m in MODES],
     *[("writes", w, f"{m}_wal_bytes") for w in WORKLOADS for m in MODES if POSTGRES],
+    *[("writes", w, f"{m}_redis_cpu_us") for w in WORKLOADS for m in PUSHING],
     *[
         ("writes", w, f)
         for w in WORKLOADS
@@ -187,6 +193,43 @@ def test_quick_json_trigger_mode_counts_exactly_or_says_why_it_was_skipped(quick
                 assert isinstance(value, float) and value >= 0
             else:
                 assert value is None
+
+
+@pytest.mark.redis
+def test_quick_json_has_the_cost_of_an_insert_and_the_push_setting_of_every_mode(quick_run):
+    writes = quick_run[0]["writes"]
+    deferred = conf.defer_acks()  # the bench runs with the settings of the tests
+    for count, result in writes["by_processes"].items():
+        for w in WORKLOADS:
+            for m in MODES:
+                costs = {c: result[w][f"{m}_{c}"] for c in ("writer_cpu_us", "redis_cpu_us")}
+                if POSTGRES and result["backend_cpu_na"] is None:
+                    costs["backend_cpu_us"] = result[w][f"{m}_backend_cpu_us"]
+                if POSTGRES:
+                    costs["wal_bytes"] = result[w][f"{m}_wal_bytes"]
+                for name, value in costs.items():
+                    assert isinstance(value, float) and math.isfinite(value), (count, w, m, name)
+                    # Redis's CPU in a mode that sends nothing is its own idle work: maybe 0.0
+                    assert value > 0 or (name == "redis_cpu_us" and m not in PUSHING), (
+                        count,
+                        w,
+                        m,
+                        name,
+                        value,
+                    )
+        pushes = result["push_settings"]
+        assert sorted(pushes) == sorted(MODES), count
+        # tally and durable push once per commit (their reply read later, or waited for, as
+        # the settings of the run say); the sender queues for --send-delay (5 ms)
+        per_commit = "off: one push per commit" + ("" if deferred else ", its reply waited for")
+        assert pushes["tally"] == per_commit
+        assert pushes["durable"] == f"{per_commit}; outbox row per commit"
+        assert pushes["sender"] == (
+            f"COUNTERS_SEND_DELAY_MS 5 / COUNTERS_SEND_BATCH {conf.send_batch()}"
+        )
+        assert pushes["waited"] == "off: one push per commit, its reply waited for"
+        assert pushes["batched"] == "off: one push per commit, COUNTERS_WRITE_BATCH 16 a write"
+        assert pushes["off"] == pushes["naive"] == "no push"
 
 
 @pytest.mark.redis
@@ -370,11 +413,21 @@ def test_processes_sweep_prints_one_table_with_a_row_per_count_and_workload(swee
     labels = [line[15:31].strip() for line in lines[costs + 2 :] if line[:1].isdigit()]
     figures = ["writer CPU µs", "backend CPU µs", "WAL bytes", "Redis CPU µs"]
     assert labels[:16] == figures * 4
-    # Redis's CPU is sampled for tally and floor_push: a figure in their columns, "-" elsewhere
+    # Every figure in every mode's column: a number, or n/a where it cannot be measured here
+    for line in lines[costs + 2 : costs + 18]:
+        cells = line[31:].split()
+        assert len(cells) == len(MODES), line
+        assert all(cell == "n/a" or float(cell) >= 0 for cell in cells), line
+    # Redis's CPU is sampled in every mode: a figure above 0 where the inserts send to Redis
     redis_row = next(line for line in lines[costs + 2 :] if line[15:31].strip() == figures[3])
     by_mode = dict(zip(MODES, redis_row.split()[5:], strict=True))  # after "Redis CPU µs"
-    assert float(by_mode["tally"]) > 0 and float(by_mode["floor_push"]) > 0
-    assert by_mode["off"] == "-"
+    assert all(float(by_mode[m]) > 0 for m in PUSHING), redis_row
+    # and the merged-push setting of each mode, as its writers reported it
+    pushes = lines.index("merged pushes: how each mode's commits reached Redis in its writers")
+    shown = dict(line.split(None, 1) for line in lines[pushes + 1 : pushes + 1 + len(MODES)])
+    assert sorted(shown) == sorted(MODES)
+    assert shown["tally"].startswith("off: one push per commit")
+    assert shown["sender"].startswith("COUNTERS_SEND_DELAY_MS 5 / COUNTERS_SEND_BATCH ")
     if POSTGRES:
         assert any(line.startswith("trigger: ") and line.endswith(": yes") for line in lines)
     else:

@@ -15,7 +15,7 @@ import pytest
 from django.db import connection
 
 from benchmarks import trigger
-from benchmarks.probes import BackendCpu, Cost, CostSample, process_cpu_s
+from benchmarks.probes import BackendCpu, Cost, CostSample, RedisSample, process_cpu_s
 from counters import paused
 from notifications.models import Notification, UnreadCounter
 from tests.procs import ROOT, project_env
@@ -148,11 +148,14 @@ def test_backend_cpu_says_why_it_cannot_be_read(pids, host, reason):
 
 def test_a_cost_unknown_once_stays_unknown():
     cost = Cost()
-    cost.add(10, 0.001, CostSample(1.0, 100), CostSample(1.002, 1100))
+    redis = RedisSample(0.5, 0, 0), RedisSample(0.5005, 0, 0)
+    cost.add(10, 0.001, CostSample(1.0, 100, redis[0]), CostSample(1.002, 1100, redis[1]))
     assert cost.figures("off") == {
         "off_writer_cpu_us": 100.0,
         "off_backend_cpu_us": 200.0,
         "off_wal_bytes": 100.0,
+        "off_redis_cpu_us": 50.0,
     }
     cost.add(10, 0.001, CostSample(None, 0), CostSample(None, 0))
     assert cost.figures("off")["off_backend_cpu_us"] is None
+    assert cost.figures("off")["off_redis_cpu_us"] is None

@@ -21,7 +21,8 @@ from benchmarks.internals import first_line
 class Command(BaseCommand):
     help = (
         "Benchmark notification writes with no counter, a naive counter, a PostgreSQL trigger "
-        "and Tally, with the writer CPU, backend CPU and WAL of each insert; "
+        "and Tally, with the writer CPU, backend CPU, WAL and Redis CPU of each insert and "
+        "each mode's merged-push setting; "
         "the flush against raw SQL; the flush with 1, 2 and 4 flushers; get_count against "
         "COUNT(*); the flusher's memory; the Redis memory of idempotency, old scheme against new."
     )
