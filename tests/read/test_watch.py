@@ -184,33 +184,43 @@ def test_a_restart_of_redis_mid_watch_makes_the_value_right_again(own_redis, mak
     run(scenario)
 
 
-def test_a_push_publishes_its_live_members_only_once_applied(redis_client, counters_prefix):
+def test_a_push_publishes_each_live_member_on_its_own_channel_once_applied(
+    redis_client, counters_prefix
+):
     from counters.buffer.store import Buffer
 
     buffer = Buffer(redis_client, f"{counters_prefix}:one", shards=1)
     deltas = {"other:1": 4, "unread:1": 1, "other:2": -1, "unread:2": -2}
     plan = buffer.plan_push(deltas, "w1:1")
     ((keys, args),) = plan.calls
-    assert keys[3] == live.channel(buffer.prefix, 0)
+    assert keys[3] == live.channel_base(buffer.prefix, 0) == f"{buffer.prefix}:{{s0}}:live:"
     assert args[4:] == [2, "unread:1", 1, "unread:2", -2, "other:1", 4, "other:2", -1]
+    channels = {m: live.channel(buffer.prefix, 0, m) for m in deltas}
     pubsub = redis_client.pubsub()
     try:
-        pubsub.ssubscribe(keys[3])
-        assert pubsub.get_sharded_message(timeout=1)["type"] == "ssubscribe"
+        for channel in channels.values():
+            pubsub.ssubscribe(channel)
+            assert pubsub.get_sharded_message(timeout=1)["type"] == "ssubscribe"
         assert buffer.push(deltas, "w1:1") == {0}
-        message = pubsub.get_sharded_message(timeout=1)
-        assert message["data"] == b"unread:1\nunread:2"
+        got = [pubsub.get_sharded_message(timeout=1) for _ in range(2)]
+        assert [(m["channel"], m["data"]) for m in got] == [
+            (channels["unread:1"].encode(), b""),
+            (channels["unread:2"].encode(), b""),
+        ]
+        assert pubsub.get_sharded_message(timeout=0.2) is None  # "other" is not live
         assert buffer.push(deltas, "w1:1") == set()  # a repeat adds and announces nothing
         assert pubsub.get_sharded_message(timeout=0.2) is None
-        # Live members alone: the arguments of any push, the channel as a fourth key; one
-        # member's push is encoded as fast as any other's.
+        # Live members alone: the arguments of any push, the channels' start as a fourth
+        # key; one member's push is encoded as fast as any other's.
         ((both_keys, both_args),) = buffer.plan_push({"unread:1": 1, "unread:2": 1}, "w1:2").calls
         assert both_keys == keys and both_args[3:] == [2, "unread:1", 1, "unread:2", 1]
         plan = buffer.plan_push({"unread:2": 2}, "w1:2")
         assert plan.wire is not None and plan.calls[0][0] == keys
         assert buffer.wire_one("unread:2", 2, "w1", 2) is not None
         assert buffer.push({"unread:2": 2}, "w1:2") == {0}
-        assert pubsub.get_sharded_message(timeout=1)["data"] == b"unread:2"
+        message = pubsub.get_sharded_message(timeout=1)
+        assert message["channel"] == channels["unread:2"].encode()
+        assert pubsub.get_sharded_message(timeout=0.2) is None
         deltas["unread:2"] = 0
         pending = redis_client.zrange(buffer.key(0, "pending"), 0, -1, withscores=True)
         assert {m.decode(): int(score) for m, score in pending} == {
