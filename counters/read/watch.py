@@ -183,7 +183,9 @@ class Dispatcher:
         self.connects = 0
         #: Redis connections held now (one per node subscribed to).
         self.connections = 0
-        #: Set while connected to every node.
+        #: Announcements received (each names one member watched here).
+        self.messages = 0
+        #: Set while subscribed on every node.
         self.subscribed = asyncio.Event()
         #: shard -> the connection of its node, while connected.
         self.nodes: dict[int, Node] = {}
@@ -429,6 +431,7 @@ class Node:
     def _read(self, message: dict[str, Any]) -> None:
         kind = message["type"]
         if kind in ("smessage", "message"):
+            self.dispatcher.messages += 1
             member = self.members.get(_text(message["channel"]))
             if member is not None:
                 self.dispatcher.wake([member])

@@ -16,12 +16,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+import redis
 from asgiref.sync import sync_to_async
 from django.db import connections
 
 import counters
 from counters.base.exceptions import NotLive
 from counters.buffer import live
+from counters.buffer.cluster import ClusterClient
 from counters.client import get_buffer
 from counters.read.watch import Dispatcher
 from counters.write.fallback import write_direct
@@ -137,6 +139,101 @@ def test_many_watchers_share_one_connection_which_closes_with_the_last(make_user
             await w.aclose()
         await asyncio.sleep(0.05)
         assert dispatcher.connections == 0
+
+    run(scenario)
+
+
+def subscribers(member: str) -> int:
+    """How many connections Redis has subscribed to ``member``'s channel (on its node)."""
+    buffer = get_buffer()
+    name = live.channel(buffer.prefix, buffer.shard_of(member), member)
+    client = buffer.client
+    if isinstance(client, ClusterClient):
+        node = client.get_node_from_key(name)
+        with redis.Redis(host=node.host, port=node.port) as server:
+            return int(server.execute_command("PUBSUB", "SHARDNUMSUB", name)[1])
+    return int(client.execute_command("PUBSUB", "SHARDNUMSUB", name)[1])
+
+
+async def until_subscribers(member: str, count: int) -> None:
+    deadline = time.monotonic() + WAIT
+    while await in_thread(subscribers, member) != count:
+        assert time.monotonic() < deadline, f"{member}: never {count} subscribers"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.usefixtures("redis_backend")
+def test_a_watcher_of_one_key_is_sent_nothing_of_another_keys_changes(make_user):
+    alice, bob = make_user(), make_user()
+    bobs = f"unread:{bob.pk}"
+
+    async def scenario() -> None:
+        watch = counters.awatch("unread", alice.pk)
+        try:
+            assert await asyncio.wait_for(anext(watch), WAIT) == 0
+            dispatcher = Dispatcher.of(get_buffer())
+            (event,) = dispatcher.watchers[f"unread:{alice.pk}"]
+            # Bob's changes, by pushes and a direct write: his channel has no subscriber.
+            for _ in range(3):
+                await in_thread(notify, bob)
+            assert await in_thread(write_direct, {bobs: 2}, "default")
+            assert await in_thread(subscribers, bobs) == 0
+            await asyncio.sleep(0.2)
+            assert dispatcher.messages == 0 and not event.is_set()
+            # Alice's change: one message, one read, her exact value.
+            await in_thread(notify, alice)
+            assert await asyncio.wait_for(anext(watch), WAIT) == 1 == await in_thread(truth, alice)
+            await asyncio.sleep(0.2)
+            assert dispatcher.messages == 1 and not event.is_set()
+        finally:
+            await watch.aclose()
+        assert await in_thread(counters.get_value, "unread", bob.pk) == 5
+
+    run(scenario)
+
+
+@pytest.mark.usefixtures("redis_backend")
+def test_watchers_of_one_key_share_one_subscription_and_the_last_to_leave_ends_it(make_user):
+    alice, bob = make_user(), make_user()
+    alices, bobs = f"unread:{alice.pk}", f"unread:{bob.pk}"
+
+    async def scenario() -> None:
+        first, second, of_bob = (counters.awatch("unread", u.pk) for u in (alice, alice, bob))
+        try:
+            assert [await anext(w) for w in (first, second, of_bob)] == [0, 0, 0]
+            dispatcher = Dispatcher.of(get_buffer())
+            assert await in_thread(subscribers, alices) == 1 == await in_thread(subscribers, bobs)
+            connections = dispatcher.connections
+            await in_thread(notify, alice)
+            got = await asyncio.wait_for(asyncio.gather(anext(first), anext(second)), WAIT)
+            assert got == [1, 1] and dispatcher.messages == 1  # one message wakes both
+            await first.aclose()
+            await asyncio.sleep(0.2)
+            assert await in_thread(subscribers, alices) == 1
+            await second.aclose()  # the last watcher of alice: her channel is left
+            await until_subscribers(alices, 0)
+            assert await in_thread(subscribers, bobs) == 1
+            assert dispatcher.connections == connections  # bob still watched, on it
+            await in_thread(notify, alice)
+            await in_thread(notify, bob)
+            assert await asyncio.wait_for(anext(of_bob), WAIT) == 1
+            await asyncio.sleep(0.2)
+            assert dispatcher.messages == 2
+            # A watcher of alice again: subscribed again, her value read then.
+            again = counters.awatch("unread", alice.pk)
+            try:
+                assert await asyncio.wait_for(anext(again), WAIT) == 2
+                assert await in_thread(subscribers, alices) == 1
+                await in_thread(notify, alice)
+                assert await asyncio.wait_for(anext(again), WAIT) == 3
+            finally:
+                await again.aclose()
+        finally:
+            for watch in (first, second, of_bob):
+                await watch.aclose()
+        await asyncio.sleep(0.05)
+        assert dispatcher.connections == 0
+        await until_subscribers(bobs, 0)
 
     run(scenario)
 
