@@ -71,8 +71,9 @@ def live_entry(
     intake: Intake, shard: int, writer: str, keys: tuple[str, ...]
 ) -> tuple[tuple[str, ...], str]:
     """The keys of a push of live members only in ``shard`` by ``writer`` (``keys``, the
-    push's own, and the start of the shard's channels) and the encoded start of such a push of one member
-    (its arguments are those of any push: every member it names is live), kept."""
+    push's own, and the start of the shard's channels) and the encoded start of such a
+    push of one member (its arguments are those of any push: every member it names is
+    live), kept."""
     cache = intake._live_keys_cache
     entry = cache.get((shard, writer))
     if entry is None:
@@ -91,9 +92,9 @@ def live_calls(
     calls: Sequence[tuple[Sequence[str], list]],
 ) -> list[tuple[Sequence[str], list]]:
     """The push script's calls (one per shard of ``groups``, in its order) with the start of
-    the shard's channels as a fourth key where some members are live: all of them (the arguments as
-    they are), or some (their pairs first, their number after the four fixed arguments).
-    A call without a live member is returned as it is."""
+    the shard's channels as a fourth key where some members are live: all of them (the
+    arguments as they are), or some (their pairs first, their number after the four fixed
+    arguments). A call without a live member is returned as it is."""
     out: list[tuple[Sequence[str], list]] = []
     for (shard, args), (keys, call) in zip(groups.items(), calls, strict=True):
         mine: list[str | int] = []
@@ -105,7 +106,8 @@ def live_calls(
         elif not rest:
             out.append(((*keys, channel_base(prefix, shard)), call))
         else:
-            out.append(((*keys, channel_base(prefix, shard)), [*call[:4], len(mine) // 2, *mine, *rest]))
+            live_call = [*call[:4], len(mine) // 2, *mine, *rest]
+            out.append(((*keys, channel_base(prefix, shard)), live_call))
     return out
 
 

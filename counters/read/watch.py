@@ -67,6 +67,11 @@ async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGener
     unreachable the watcher waits, and reads again as soon as the dispatcher's
     connection is back. Raises :class:`NotLive` for a counter that is not live,
     and :class:`~counters.base.exceptions.InvalidKey` for a key it cannot have.
+
+    The process subscribes to the key's own channel
+    (``<prefix>:{sN}:live:<name>:<key>``) while it has watchers of the key, once
+    for all of them, on one connection per Redis node for all keys: Redis sends
+    a change only to the processes that watch its key.
     """
     spec = get_spec(name)
     if name not in live.LIVE_COUNTERS:
