@@ -390,8 +390,9 @@ class Node:
         return live.channel(buffer.prefix, buffer.shard_of(member), member)
 
     def _check_subscribed(self) -> None:
-        if self.subscribed is not None and not self.waiting:
-            self.subscribed, subscribed = None, self.subscribed
+        subscribed = self.subscribed
+        if subscribed is not None and not self.waiting:
+            self.subscribed = None
             subscribed()
 
     async def _sender(self) -> None:
