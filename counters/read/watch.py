@@ -248,13 +248,15 @@ class Dispatcher:
                 event.set()
 
     async def _run(self) -> None:
-        """Connect, listen, and connect again after any failure, until cancelled."""
+        """Connect, listen, and connect again after any failure, until cancelled (or no
+        longer the dispatcher's task: a cancellation can be lost in redis-py's sends)."""
+        owner = asyncio.current_task()
         delay = 0.05
-        while True:
+        while self.task is owner:
             before = self.connects
             try:
                 nodes = await sync_to_async(node_shards, thread_sensitive=False)(self.buffer)
-                await self._listen_all(nodes)
+                await self._listen_all(nodes, owner)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down, a slot moved: subscribe again
@@ -265,12 +267,12 @@ class Dispatcher:
             delay = 0.05 if self.connects != before else min(delay * 2, RECONNECT_MAX_S)
             await asyncio.sleep(delay)
 
-    async def _listen_all(self, nodes: dict[str, list[int]]) -> None:
+    async def _listen_all(self, nodes: dict[str, list[int]], owner: Any) -> None:
         """Connect to every node and subscribe to the channels of the members watched there,
         wake every watcher, then dispatch until one node fails."""
         ready: set[str] = set()
         tasks = [
-            asyncio.ensure_future(self._listen(url, shards, ready, len(nodes)))
+            asyncio.ensure_future(self._listen(url, shards, ready, len(nodes), owner))
             for url, shards in nodes.items()
         ]
         try:
@@ -282,7 +284,9 @@ class Dispatcher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _listen(self, url: str, shards: list[int], ready: set[str], nodes: int) -> None:
+    async def _listen(
+        self, url: str, shards: list[int], ready: set[str], nodes: int, owner: Any
+    ) -> None:
         """Hold the connection to the node at ``url`` (which serves ``shards``); once every
         node is subscribed to what is watched there (``ready``), wake every watcher."""
         client = AsyncRedis.from_url(
@@ -304,7 +308,7 @@ class Dispatcher:
 
         try:
             await pubsub.connect()
-            node = Node(self, pubsub, await _sharded(pubsub.connection), subscribed)
+            node = Node(self, pubsub, await _sharded(pubsub.connection), subscribed, owner)
             for shard in shards:
                 self.nodes[shard] = node
             mine = set(shards)
@@ -329,9 +333,16 @@ class Node:
     reads their replies and the messages."""
 
     def __init__(
-        self, dispatcher: Dispatcher, pubsub: Any, sharded: bool, subscribed: Callable[[], None]
+        self,
+        dispatcher: Dispatcher,
+        pubsub: Any,
+        sharded: bool,
+        subscribed: Callable[[], None],
+        owner: Any,
     ) -> None:
         self.dispatcher = dispatcher
+        #: The dispatcher's task this connection serves: it ends when that task is replaced.
+        self.owner = owner
         self.pubsub = pubsub
         self.sharded = sharded
         #: Called once, when the channels watched at :meth:`start` are subscribed to.
@@ -363,7 +374,7 @@ class Node:
         connection fails."""
         sender = asyncio.ensure_future(self._sender())
         try:
-            while True:
+            while self.dispatcher.task is self.owner:
                 if sender.done():
                     sender.result()  # raises its failure
                 message = await self.pubsub.get_message(timeout=HEALTH_CHECK_INTERVAL)
