@@ -115,10 +115,17 @@ def report(title: str, columns: Sequence[str], results: dict[str, list[tuple]]) 
     print(f"  {'mode':<8} " + " ".join(f"{c:>8}" for c in columns))
     for mode in MODES:
         print(f"  {mode:<8} " + " ".join(f"{v:8.1f}" for v in medians[mode]))
-    print("added to tally:")
+    print("added to tally (difference of the medians; median of each round's difference):")
     for mode in MODES[1:]:
-        added = (m - t for m, t in zip(medians[mode], medians["tally"], strict=True))
-        print(f"  {mode:<8} " + " ".join(f"{v:+8.1f}" for v in added))
+        added = [m - t for m, t in zip(medians[mode], medians["tally"], strict=True)]
+        pairs = list(zip(results[mode], results["tally"], strict=True))
+        paired = [
+            statistics.median((r[i] - t[i]) * 1e6 for r, t in pairs) for i in range(len(columns))
+        ]
+        print(
+            f"  {mode:<8} "
+            + " ".join(f"{a:+8.1f} ({p:+.1f})" for a, p in zip(added, paired, strict=True))
+        )
 
 
 def pushes(url: str, calls: int, rounds: int, others: int) -> int:
