@@ -118,9 +118,10 @@ def _exact_values(wanted: list[tuple[str, Any, str]]) -> dict[tuple[str, Any, st
 
 
 class Reads:
-    """The reads of one event loop's watchers, batched: the watchers one announcement wakes
-    ask in the same turn of the loop, and one read in the shared pool answers them all
-    (a stream's request thread, and its database connection, are never held)."""
+    """The reads of one event loop's watchers, batched: one read in the shared pool at a
+    time answers every watcher that asked before it started (those woken together ask in
+    the same turn of the loop; those woken while it runs, by the next read). A stream's
+    request thread, and its database connection, are never held."""
 
     def __init__(self) -> None:
         self.waiting: dict[tuple[str, Any, str], list[asyncio.Future[int]]] = {}
@@ -134,8 +135,15 @@ class Reads:
         return await future
 
     async def _run(self) -> None:
-        await asyncio.sleep(0)  # the other watchers woken with this one ask first
-        waiting, self.waiting, self.running = self.waiting, {}, None
+        try:
+            await asyncio.sleep(0)  # the other watchers woken with this one ask first
+            while self.waiting:
+                waiting, self.waiting = self.waiting, {}
+                await self._answer(waiting)
+        finally:
+            self.running = None
+
+    async def _answer(self, waiting: dict[tuple[str, Any, str], list[asyncio.Future[int]]]) -> None:
         try:
             values = await sync_to_async(_exact_values, thread_sensitive=False)(list(waiting))
         except Exception as exc:
