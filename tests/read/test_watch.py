@@ -238,6 +238,33 @@ def test_watchers_of_one_key_share_one_subscription_and_the_last_to_leave_ends_i
     run(scenario)
 
 
+def test_a_watcher_that_comes_as_the_last_one_leaves_keeps_the_subscription(make_user):
+    alice, bob = make_user(), make_user()
+    alices = f"unread:{alice.pk}"
+
+    async def scenario() -> None:
+        of_bob = counters.awatch("unread", bob.pk)  # keeps the dispatcher connected
+        first = counters.awatch("unread", alice.pk)
+        try:
+            assert [await asyncio.wait_for(anext(w), WAIT) for w in (of_bob, first)] == [0, 0]
+            dispatcher = Dispatcher.of(get_buffer())
+            await first.aclose()  # the last watcher of alice leaves, and in this turn
+            second = counters.awatch("unread", alice.pk)  # another comes: nothing to send
+            try:
+                assert await asyncio.wait_for(anext(second), WAIT) == 0
+                assert dispatcher.ready[alices].is_set() and dispatcher.connects == 1
+                assert await in_thread(subscribers, alices) == 1
+                await in_thread(notify, alice)
+                assert await asyncio.wait_for(anext(second), WAIT) == 1
+            finally:
+                await second.aclose()
+        finally:
+            await first.aclose()
+            await of_bob.aclose()
+
+    run(scenario)
+
+
 def test_a_counter_that_is_not_live_cannot_be_watched_and_costs_no_publish(make_user, monkeypatch):
     monkeypatch.setattr(live, "LIVE_COUNTERS", set())
     alice = make_user()
