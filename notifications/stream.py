@@ -73,8 +73,9 @@ def newest(user_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
 
 
 class Newest:
-    """The newest notifications the streams of one event loop ask for in the same turn of
-    the loop (those one change of many counts woke), read by one query."""
+    """The newest notifications the streams of one event loop ask for, read by one query at
+    a time: it answers every stream that asked before it started (those one change of many
+    counts woke ask in the same turn of the loop; those woken while it runs, by the next)."""
 
     def __init__(self) -> None:
         self.waiting: dict[int, list[asyncio.Future[list[dict[str, Any]]]]] = {}
@@ -88,8 +89,15 @@ class Newest:
         return await future
 
     async def _run(self) -> None:
-        await asyncio.sleep(0)  # the other streams woken with this one ask first
-        waiting, self.waiting, self.running = self.waiting, {}, None
+        try:
+            await asyncio.sleep(0)  # the other streams woken with this one ask first
+            while self.waiting:
+                waiting, self.waiting = self.waiting, {}
+                await self._answer(waiting)
+        finally:
+            self.running = None
+
+    async def _answer(self, waiting: dict[int, list[asyncio.Future[list[dict[str, Any]]]]]) -> None:
         error_: Exception | None = None
         found: dict[int, list[dict[str, Any]]] = {}
         try:

@@ -7,7 +7,8 @@ Events stream per user, then measures:
 - the memory of the web process per open stream (its resident set before the
   streams and with them all open, divided by their number);
 - the Redis connections the web process holds (the server's ``CLIENT LIST``
-  entries from the web process's local ports), subscribers among them;
+  entries from the web process's local ports), subscribers among them and the channels
+  they are subscribed to (one per watched key);
 - the delay from a COMMIT to its event on the stream, per stream: one
   transaction that notifies every user at once (``--fanouts`` times; each stream
   gets its own new count), and ``--singles`` commits for one user at a time.
@@ -59,12 +60,13 @@ def local_ports(pid: int) -> set[int]:
     return ports
 
 
-def redis_clients(client, pid: int) -> tuple[int, int]:
-    """(connections, subscribers) of process ``pid`` that the Redis server lists."""
+def redis_clients(client, pid: int) -> tuple[int, int, int]:
+    """(connections, subscribers, channels subscribed to) of process ``pid`` that the Redis
+    server lists."""
     ports = local_ports(pid)
     mine = [c for c in client.client_list() if int(c["addr"].rsplit(":", 1)[1]) in ports]
-    subscribers = [c for c in mine if int(c.get("ssub", 0)) or int(c.get("sub", 0))]
-    return len(mine), len(subscribers)
+    channels = [int(c.get("ssub", 0)) + int(c.get("sub", 0)) for c in mine]
+    return len(mine), sum(1 for n in channels if n), sum(channels)
 
 
 def setup(count: int) -> list[tuple[int, str]]:
@@ -182,10 +184,13 @@ async def measure(args: argparse.Namespace, web: subprocess.Popen, port: int, us
     opened = time.monotonic() - started
     await asyncio.sleep(1)
     per_stream = (rss_kib(web.pid) - base_rss) / len(streams)
-    connections, subscribers = redis_clients(server, web.pid)
+    connections, subscribers, channels = redis_clients(server, web.pid)
     print(f"{len(streams)} streams open in {opened:.1f} s on one web process (pid {web.pid})")
     print(f"memory: {base_rss / 1024:.0f} MiB before, {per_stream:.1f} KiB more per stream")
-    print(f"Redis connections of the web process: {connections}, subscribers {subscribers}")
+    print(
+        f"Redis connections of the web process: {connections}, subscribers {subscribers}, "
+        f"on {channels} channels (one per watched key)"
+    )
     create = sync_to_async(notify, thread_sensitive=False)
     for round_ in range(1, args.fanouts + 1):
         committed = await create([s.uid for s in streams], f"fan-out {round_}")

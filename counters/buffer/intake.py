@@ -74,7 +74,7 @@ class Intake(Keyspace):
                 entry = self._push_keys_cache.get((shard, writer))
                 if entry is None:
                     entry = self._push_entry(shard, writer)
-                if live.LIVE_COUNTERS and live.is_live(member):  # with its channel
+                if live.LIVE_COUNTERS and live.is_live(member):  # with the start of its channel
                     entry = live.live_entry(self, shard, writer, entry[0])
                 keys, head = entry
                 call = [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, seq, member, delta]
@@ -129,7 +129,7 @@ class Intake(Keyspace):
         entry = self._push_keys_cache.get((shard, writer))
         if entry is None:
             entry = self._push_entry(shard, writer)
-        if live.LIVE_COUNTERS and live.is_live(member):  # with its channel
+        if live.LIVE_COUNTERS and live.is_live(member):  # with the start of its channel
             entry = live.live_entry(self, shard, writer, entry[0])
         head = entry[1]
         if not head:

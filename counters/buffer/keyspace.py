@@ -74,7 +74,8 @@ class Keyspace:
         #: (shard, writer) -> the keys of its pushes and the start of a one-member push's
         #: command (:meth:`Intake._push_entry`).
         self._push_keys_cache: dict[tuple[int, str], tuple[tuple[str, ...], str]] = {}
-        #: The same for pushes of live members, with their shard's channel as a fourth key
+        #: The same for pushes of live members, with the start of their shard's channels as a
+        #: fourth key
         #: (:func:`counters.buffer.live.live_entry`).
         self._live_keys_cache: dict[tuple[int, str], tuple[tuple[str, ...], str]] = {}
         # redis-py's ``evalsha()`` inspects its arguments for deprecations on every

@@ -1,20 +1,23 @@
-"""Live counters: their changes published on a shard channel, for watchers to re-read.
+"""Live counters: each change of a member published on its own channel, for its watchers.
 
-A counter made live (``track(..., live=True)``) has its changes announced on
-the shard channel of its member's shard, ``<prefix>:{sN}:live`` (the shard's
-hash tag, so a Redis Cluster 7+ or Valkey routes it with the shard's keys).
-A message is the changed members, one per line; it carries no value: a
-watcher re-reads the exact value (:mod:`counters.read.watch`), so a lost or
-late message makes a value late, never wrong.
+A counter made live (``track(..., live=True)``) has each change of a member
+announced on that member's shard channel, ``<prefix>:{sN}:live:<member>``
+(the hash tag of the member's shard, so a Redis Cluster 7+ or Valkey routes
+it with the shard's keys). Only the processes that watch the member subscribe
+to it, and a publish nobody subscribed to costs Redis one dictionary lookup.
+A message is empty: a watcher re-reads the exact value
+(:mod:`counters.read.watch`), so a lost or late message makes a value late,
+never wrong.
 
 Two publishers:
 
-- the push script itself, for the live members of a push: the shard's channel
-  is one more key; in a push of some live members and some not, their pairs
-  come first and their number is one more argument (:func:`live_calls`). A
-  push of one live member is encoded as fast as any (:func:`live_entry`). A
-  push with no live member is sent exactly as before, and the script does no
-  more work for it;
+- the push script itself, for the live members of a push: the start of the
+  shard's channels (:func:`channel_base`) is one more key, to which the
+  script appends each member; in a push of some live members and some not,
+  their pairs come first and their number is one more argument
+  (:func:`live_calls`). A push of one live member is encoded as fast as any
+  (:func:`live_entry`). A push with no live member is sent exactly as before,
+  and the script does no more work for it;
 - :func:`publish`, called after the COMMIT of a change that does not go
   through a push: a direct write when Redis is down, a discard of
   quarantined deltas.
@@ -54,17 +57,23 @@ def is_live(member: str) -> bool:
     return member.partition(":")[0] in LIVE_COUNTERS
 
 
-def channel(prefix: str, shard: int) -> str:
-    """The shard channel of ``shard``'s live members."""
-    return f"{prefix}:{{s{shard}}}:live"
+def channel_base(prefix: str, shard: int) -> str:
+    """The start of the channels of ``shard``'s live members: the member follows."""
+    return f"{prefix}:{{s{shard}}}:live:"
+
+
+def channel(prefix: str, shard: int, member: str) -> str:
+    """The shard channel of ``member`` (in ``shard``), where its changes are announced."""
+    return f"{prefix}:{{s{shard}}}:live:{member}"
 
 
 def live_entry(
     intake: Intake, shard: int, writer: str, keys: tuple[str, ...]
 ) -> tuple[tuple[str, ...], str]:
     """The keys of a push of live members only in ``shard`` by ``writer`` (``keys``, the
-    push's own, and the shard's channel) and the encoded start of such a push of one member
-    (its arguments are those of any push: every member it names is live), kept."""
+    push's own, and the start of the shard's channels) and the encoded start of such a
+    push of one member (its arguments are those of any push: every member it names is
+    live), kept."""
     cache = intake._live_keys_cache
     entry = cache.get((shard, writer))
     if entry is None:
@@ -72,7 +81,7 @@ def live_entry(
 
         if len(cache) >= LIVE_KEYS_CACHED:
             cache.clear()  # retired writers' keys
-        live_keys = (*keys, channel(intake.prefix, shard))
+        live_keys = (*keys, channel_base(intake.prefix, shard))
         entry = cache[(shard, writer)] = (live_keys, push_head(intake._push.sha, live_keys))
     return entry
 
@@ -82,10 +91,10 @@ def live_calls(
     groups: Mapping[int, Sequence[str | int]],
     calls: Sequence[tuple[Sequence[str], list]],
 ) -> list[tuple[Sequence[str], list]]:
-    """The push script's calls (one per shard of ``groups``, in its order) with the shard's
-    channel as a fourth key where some members are live: all of them (the arguments as
-    they are), or some (their pairs first, their number after the four fixed arguments).
-    A call without a live member is returned as it is."""
+    """The push script's calls (one per shard of ``groups``, in its order) with the start of
+    the shard's channels as a fourth key where some members are live: all of them (the
+    arguments as they are), or some (their pairs first, their number after the four fixed
+    arguments). A call without a live member is returned as it is."""
     out: list[tuple[Sequence[str], list]] = []
     for (shard, args), (keys, call) in zip(groups.items(), calls, strict=True):
         mine: list[str | int] = []
@@ -95,14 +104,15 @@ def live_calls(
         if not mine:
             out.append((keys, call))
         elif not rest:
-            out.append(((*keys, channel(prefix, shard)), call))
+            out.append(((*keys, channel_base(prefix, shard)), call))
         else:
-            out.append(((*keys, channel(prefix, shard)), [*call[:4], len(mine) // 2, *mine, *rest]))
+            live_call = [*call[:4], len(mine) // 2, *mine, *rest]
+            out.append(((*keys, channel_base(prefix, shard)), live_call))
     return out
 
 
 def publish(client: Client, prefix: str, shards: int, members: Iterable[str]) -> None:
-    """Announce a committed change of ``members`` (those of live counters) on their shard
+    """Announce a committed change of ``members`` (those of live counters) on their
     channels, in one round trip. Never raises: a watcher that misses it re-reads the value
     when its connection comes back, and a failure is logged."""
     by_shard: dict[int, list[str]] = defaultdict(list)
@@ -124,5 +134,6 @@ def publish(client: Client, prefix: str, shards: int, members: Iterable[str]) ->
 def _send(client: Client, by_shard: Mapping[int, list[str]], prefix: str, command: str) -> None:
     pipe = client.pipeline(transaction=False)
     for shard, changed in by_shard.items():
-        getattr(pipe, command)(channel(prefix, shard), "\n".join(sorted(changed)))
+        for member in sorted(changed):
+            getattr(pipe, command)(channel(prefix, shard, member), "")
     pipe.execute()

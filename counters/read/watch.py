@@ -1,18 +1,20 @@
 """Watching live counters: ``awatch(name, key)`` yields a key's exact value on every change.
 
-A live counter (``track(..., live=True)``) has its changes announced on the
-shard channels of its buffer (:mod:`counters.buffer.live`): by the push
-script for pushes, after COMMIT for direct writes and discards. A message
-names the changed members, never a value: a watcher woken by one re-reads
-the exact value (:func:`counters.read.values.get_values`, in the event loop's
-shared thread pool, one read for all the watchers an announcement wakes), so a lost message
+A live counter (``track(..., live=True)``) has each change of a member
+announced on the member's own shard channel (:mod:`counters.buffer.live`): by
+the push script for pushes, after COMMIT for direct writes and discards. A
+message carries no value: a watcher woken by one re-reads the exact value
+(:func:`counters.read.values.get_values`, in the event loop's shared thread
+pool, one read for all the watchers an announcement wakes), so a lost message
 makes a value late, never wrong.
 
 One :class:`Dispatcher` per event loop and buffer holds the subscriptions:
 one connection per Redis node (one for a single Redis, one per master of a
 Redis Cluster that holds shards), however many watchers it serves, subscribed
-with ``SSUBSCRIBE`` to every shard channel of the buffer. It wakes the
-watchers of each member announced, and every watcher whenever its
+with ``SSUBSCRIBE`` to the channels of the members watched, each once: with
+the first watcher of a member, and ``SUNSUBSCRIBE`` when its last one leaves.
+So Redis writes a change to the processes that watch it, and to no other. It
+wakes the watchers of each member announced, and every watcher whenever its
 connections are made again (after Redis restarted, a failover, a network
 cut), since announcements may have been missed meanwhile. It closes its
 connections when its last watcher leaves. Redis 7 and Valkey have shard
@@ -25,7 +27,8 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import AsyncGenerator
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -64,6 +67,11 @@ async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGener
     unreachable the watcher waits, and reads again as soon as the dispatcher's
     connection is back. Raises :class:`NotLive` for a counter that is not live,
     and :class:`~counters.base.exceptions.InvalidKey` for a key it cannot have.
+
+    The process subscribes to the key's own channel
+    (``<prefix>:{sN}:live:<name>:<key>``) while it has watchers of the key, once
+    for all of them, on one connection per Redis node for all keys: Redis sends
+    a change only to the processes that watch its key.
     """
     spec = get_spec(name)
     if name not in live.LIVE_COUNTERS:
@@ -73,9 +81,9 @@ async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGener
     dispatcher = Dispatcher.of(get_buffer(alias))
     event = dispatcher.add(member)
     try:
-        # The first value is read once the subscription is in place (unless Redis is slow
-        # to answer), so no change falls between the two.
-        await _wait(dispatcher.subscribed, SUBSCRIBE_WAIT_S)
+        # The first value is read once the member's channel is subscribed to (unless Redis
+        # is slow to answer), so no change falls between the two.
+        await _wait(dispatcher.ready[member], SUBSCRIBE_WAIT_S)
         while True:
             event.clear()  # before the read: a change made during it wakes us again
             try:
@@ -110,9 +118,10 @@ def _exact_values(wanted: list[tuple[str, Any, str]]) -> dict[tuple[str, Any, st
 
 
 class Reads:
-    """The reads of one event loop's watchers, batched: the watchers one announcement wakes
-    ask in the same turn of the loop, and one read in the shared pool answers them all
-    (a stream's request thread, and its database connection, are never held)."""
+    """The reads of one event loop's watchers, batched: one read in the shared pool at a
+    time answers every watcher that asked before it started (those woken together ask in
+    the same turn of the loop; those woken while it runs, by the next read). A stream's
+    request thread, and its database connection, are never held."""
 
     def __init__(self) -> None:
         self.waiting: dict[tuple[str, Any, str], list[asyncio.Future[int]]] = {}
@@ -126,8 +135,15 @@ class Reads:
         return await future
 
     async def _run(self) -> None:
-        await asyncio.sleep(0)  # the other watchers woken with this one ask first
-        waiting, self.waiting, self.running = self.waiting, {}, None
+        try:
+            await asyncio.sleep(0)  # the other watchers woken with this one ask first
+            while self.waiting:
+                waiting, self.waiting = self.waiting, {}
+                await self._answer(waiting)
+        finally:
+            self.running = None
+
+    async def _answer(self, waiting: dict[tuple[str, Any, str], list[asyncio.Future[int]]]) -> None:
         try:
             values = await sync_to_async(_exact_values, thread_sensitive=False)(list(waiting))
         except Exception as exc:
@@ -166,19 +182,26 @@ _dispatchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Any, Dis
 
 
 class Dispatcher:
-    """The subscriptions of one event loop to one buffer's shard channels (see the module)."""
+    """The subscriptions of one event loop to the channels of one buffer's watched members
+    (see the module)."""
 
     def __init__(self, buffer: Buffer) -> None:
         self.buffer = buffer
         #: member -> the events of its watchers.
         self.watchers: dict[str, set[asyncio.Event]] = {}
+        #: member -> set while its channel is subscribed (for as long as it has watchers).
+        self.ready: dict[str, asyncio.Event] = {}
         self.task: asyncio.Task[None] | None = None
         #: Times the subscriptions were made (the first time, and each reconnection).
         self.connects = 0
         #: Redis connections held now (one per node subscribed to).
         self.connections = 0
+        #: Announcements received (each names one member watched here).
+        self.messages = 0
         #: Set while subscribed on every node.
         self.subscribed = asyncio.Event()
+        #: shard -> the connection of its node, while connected.
+        self.nodes: dict[int, Node] = {}
 
     @classmethod
     def of(cls, buffer: Buffer) -> Dispatcher:
@@ -191,22 +214,36 @@ class Dispatcher:
         return dispatcher
 
     def add(self, member: str) -> asyncio.Event:
-        """A new watcher of ``member``: its event, set on each change."""
+        """A new watcher of ``member``: its event, set on each change. The first watcher of
+        a member subscribes to its channel (:attr:`ready` tells when it is)."""
         event = asyncio.Event()
-        self.watchers.setdefault(member, set()).add(event)
+        events = self.watchers.get(member)
+        if events is None:
+            events = self.watchers[member] = set()
+            self.ready[member] = asyncio.Event()
+            self._changed(member)
+        events.add(event)
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run())
         return event
 
     def remove(self, member: str, event: asyncio.Event) -> None:
+        """A watcher of ``member`` leaves; the last one unsubscribes from its channel."""
         events = self.watchers.get(member)
         if events is not None:
             events.discard(event)
             if not events:
                 del self.watchers[member]
+                del self.ready[member]
+                self._changed(member)
         if not self.watchers and self.task is not None:
             self.task.cancel()  # nobody watches: the connections are closed
             self.task = None
+
+    def _changed(self, member: str) -> None:
+        node = self.nodes.get(self.buffer.shard_of(member))
+        if node is not None:
+            node.changed(member)
 
     def wake(self, members: list[str] | None = None) -> None:
         """Wake the watchers of ``members`` (all watchers if None)."""
@@ -219,13 +256,15 @@ class Dispatcher:
                 event.set()
 
     async def _run(self) -> None:
-        """Subscribe, listen, and subscribe again after any failure, until cancelled."""
+        """Connect, listen, and connect again after any failure, until cancelled (or no
+        longer the dispatcher's task: a cancellation can be lost in redis-py's sends)."""
+        owner = asyncio.current_task()
         delay = 0.05
-        while True:
+        while self.task is owner:
             before = self.connects
             try:
-                nodes = await sync_to_async(node_channels, thread_sensitive=False)(self.buffer)
-                await self._listen_all(nodes)
+                nodes = await sync_to_async(node_shards, thread_sensitive=False)(self.buffer)
+                await self._listen_all(nodes, owner)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down, a slot moved: subscribe again
@@ -236,12 +275,13 @@ class Dispatcher:
             delay = 0.05 if self.connects != before else min(delay * 2, RECONNECT_MAX_S)
             await asyncio.sleep(delay)
 
-    async def _listen_all(self, nodes: dict[str, list[str]]) -> None:
-        """Subscribe on every node, wake every watcher, then dispatch until one node fails."""
+    async def _listen_all(self, nodes: dict[str, list[int]], owner: Any) -> None:
+        """Connect to every node and subscribe to the channels of the members watched there,
+        wake every watcher, then dispatch until one node fails."""
         ready: set[str] = set()
         tasks = [
-            asyncio.ensure_future(self._listen(url, channels, ready, len(nodes)))
-            for url, channels in nodes.items()
+            asyncio.ensure_future(self._listen(url, shards, ready, len(nodes), owner))
+            for url, shards in nodes.items()
         ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -253,14 +293,10 @@ class Dispatcher:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _listen(
-        self,
-        url: str,
-        channels: list[str],
-        ready: set[str],
-        nodes: int,
+        self, url: str, shards: list[int], ready: set[str], nodes: int, owner: Any
     ) -> None:
-        """Subscribe to ``channels`` at ``url`` and wake the watchers of what is announced;
-        once every node is subscribed (``ready``), wake every watcher."""
+        """Hold the connection to the node at ``url`` (which serves ``shards``); once every
+        node is subscribed to what is watched there (``ready``), wake every watcher."""
         client = AsyncRedis.from_url(
             url,
             socket_connect_timeout=conf.socket_timeout(),
@@ -269,39 +305,187 @@ class Dispatcher:
         )
         pubsub = client.pubsub()
         self.connections += 1
+        node: Node | None = None
+
+        def subscribed() -> None:
+            ready.add(url)
+            if len(ready) == nodes:  # subscribed everywhere: re-read everything
+                self.connects += 1
+                self.subscribed.set()
+                self.wake()
+
         try:
-            sharded = await _sharded(client)
-            for name in channels:  # one command each: a cluster takes one slot a command
-                await (pubsub.ssubscribe(name) if sharded else pubsub.subscribe(name))
-            confirmed = 0
-            while True:
-                message = await pubsub.get_message(timeout=HEALTH_CHECK_INTERVAL)
-                if message is None:
-                    continue
-                kind = message["type"]
-                if kind in ("smessage", "message"):
-                    self.wake(_text(message["data"]).split("\n"))
-                elif kind in ("ssubscribe", "subscribe"):
-                    confirmed += 1
-                    if confirmed == len(channels):
-                        ready.add(url)
-                        if len(ready) == nodes:  # subscribed everywhere: re-read everything
-                            self.connects += 1
-                            self.subscribed.set()
-                            self.wake()
-                elif kind == "sunsubscribe":  # the slot moved away (cluster)
-                    raise RedisError(f"unsubscribed from {_text(message['channel'])}")
+            await pubsub.connect()
+            node = Node(self, pubsub, await _sharded(pubsub.connection), subscribed, owner)
+            for shard in shards:
+                self.nodes[shard] = node
+            mine = set(shards)
+            await node.start([m for m in self.watchers if self.buffer.shard_of(m) in mine])
+            await node.run()
         finally:
             self.subscribed.clear()
             self.connections -= 1
+            if node is not None:
+                for shard in shards:
+                    if self.nodes.get(shard) is node:
+                        del self.nodes[shard]
+                node.close()
             await pubsub.aclose()
             await client.aclose()
 
 
-async def _sharded(client: AsyncRedis) -> bool:
+class Node:
+    """The connection of a :class:`Dispatcher` to one Redis node, subscribed to the channels
+    of the members watched in the node's shards: a member's channel is subscribed to with its
+    first watcher and unsubscribed from with its last. One task sends the commands, another
+    reads their replies and the messages."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        pubsub: Any,
+        sharded: bool,
+        subscribed: Callable[[], None],
+        owner: Any,
+    ) -> None:
+        self.dispatcher = dispatcher
+        #: The dispatcher's task this connection serves: it ends when that task is replaced.
+        self.owner = owner
+        self.pubsub = pubsub
+        self.sharded = sharded
+        #: Called once, when the channels watched at :meth:`start` are subscribed to.
+        self.subscribed: Callable[[], None] | None = subscribed
+        #: channel -> member, for the channels subscribed to (the last command sent).
+        self.members: dict[str, str] = {}
+        #: channel -> its commands not confirmed yet, in order (True: subscribe).
+        self.unconfirmed: dict[str, deque[bool]] = {}
+        #: Members whose first watcher came or last watcher went since the last commands.
+        self.todo: set[str] = set()
+        self.kick = asyncio.Event()
+        self.closed = False
+        #: Channels of :meth:`start` not confirmed yet.
+        self.waiting: set[str] = set()
+
+    def changed(self, member: str) -> None:
+        self.todo.add(member)
+        self.kick.set()
+
+    async def start(self, members: list[str]) -> None:
+        """Subscribe to the channels of ``members``, watched when the connection was made."""
+        self.todo.update(members)
+        self.waiting = {self._channel(m) for m in members}
+        await self._send()
+        self._check_subscribed()
+
+    async def run(self) -> None:
+        """Read replies and messages, and send the commands the watchers ask for, until the
+        connection fails."""
+        sender = asyncio.ensure_future(self._sender())
+        try:
+            while self.dispatcher.task is self.owner:
+                if sender.done():
+                    sender.result()  # raises its failure
+                message = await self.pubsub.get_message(timeout=HEALTH_CHECK_INTERVAL)
+                if message is not None:
+                    self._read(message)
+        finally:
+            # (A cancellation may be lost in a send that completes as it arrives: the sender
+            # also stops at its next turn.)
+            self.closed = True
+            self.kick.set()
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
+                await sender
+
+    def close(self) -> None:
+        """The connection is gone, and every subscription with it."""
+        ready = self.dispatcher.ready
+        for member in self.members.values():
+            if member in ready:
+                ready[member].clear()
+
+    def _channel(self, member: str) -> str:
+        buffer = self.dispatcher.buffer
+        return live.channel(buffer.prefix, buffer.shard_of(member), member)
+
+    def _check_subscribed(self) -> None:
+        subscribed = self.subscribed
+        if subscribed is not None and not self.waiting:
+            self.subscribed = None
+            subscribed()
+
+    async def _sender(self) -> None:
+        while True:
+            await self.kick.wait()
+            if self.closed:
+                return
+            self.kick.clear()
+            await self._send()
+            self._check_subscribed()
+
+    async def _send(self) -> None:
+        """Subscribe to the channels of the members that gained their first watcher, and
+        unsubscribe from those of the members that lost their last one: one command per
+        shard and direction (a cluster takes one slot a command)."""
+        todo, self.todo = self.todo, set()
+        dispatcher = self.dispatcher
+        commands: dict[tuple[bool, int], list[str]] = {}
+        for member in todo:
+            channel = self._channel(member)
+            wanted = member in dispatcher.watchers
+            if wanted == (channel in self.members):  # a watcher left and another came
+                if wanted and channel not in self.unconfirmed:
+                    dispatcher.ready[member].set()
+                continue
+            if wanted:
+                self.members[channel] = member
+            else:
+                del self.members[channel]
+                self.waiting.discard(channel)
+            self.unconfirmed.setdefault(channel, deque()).append(wanted)
+            commands.setdefault((wanted, dispatcher.buffer.shard_of(member)), []).append(channel)
+        connection = self.pubsub.connection
+        for (wanted, _), channels in commands.items():
+            if wanted:
+                command = "SSUBSCRIBE" if self.sharded else "SUBSCRIBE"
+            else:
+                command = "SUNSUBSCRIBE" if self.sharded else "UNSUBSCRIBE"
+            # Sent as is, never waiting for a reply: the reader reads it with the messages.
+            await connection.send_command(command, *channels, check_health=False)
+
+    def _read(self, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind in ("smessage", "message"):
+            self.dispatcher.messages += 1
+            member = self.members.get(_text(message["channel"]))
+            if member is not None:
+                self.dispatcher.wake([member])
+            return
+        if kind not in ("ssubscribe", "subscribe", "sunsubscribe", "unsubscribe"):
+            return
+        channel = _text(message["channel"])
+        subscribing = kind in ("ssubscribe", "subscribe")
+        pending = self.unconfirmed.get(channel)
+        if not pending or pending[0] != subscribing:
+            if not subscribing and channel in self.members:  # the slot moved away (cluster)
+                raise RedisError(f"unsubscribed from {channel}")
+            return
+        pending.popleft()
+        if pending:
+            return
+        del self.unconfirmed[channel]
+        member = self.members.get(channel)
+        if member is not None:  # subscribed: the member's first read may be made
+            self.dispatcher.ready[member].set()
+            self.waiting.discard(channel)
+            self._check_subscribed()
+
+
+async def _sharded(connection: Any) -> bool:
     """Whether the server has shard channels (Redis 7, Valkey): else plain ones serve."""
+    await connection.send_command("PUBSUB", "SHARDNUMSUB")
     try:
-        await client.execute_command("PUBSUB", "SHARDNUMSUB")
+        await connection.read_response()
     except ResponseError:
         return False
     return True
@@ -311,24 +495,24 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def node_channels(buffer: Buffer) -> dict[str, list[str]]:
-    """The shard channels of ``buffer`` by the URL of the Redis node that serves them."""
-    channels = [live.channel(buffer.prefix, shard) for shard in range(buffer.shards)]
+def node_shards(buffer: Buffer) -> dict[str, list[int]]:
+    """The shards of ``buffer`` by the URL of the Redis node that serves their channels."""
+    shards = list(range(buffer.shards))
     client = buffer.client
     url = redis_scheme(conf.redis_url())
     if isinstance(client, ClusterClient):
-        by_node: dict[str, list[str]] = {}
+        by_node: dict[str, list[int]] = {}
         first = redis_scheme(client.urls[0])
-        for name in channels:
-            node = client.get_node_from_key(name)
-            by_node.setdefault(_at(first, node.host, node.port), []).append(name)
+        for shard in shards:
+            node = client.get_node_from_key(live.channel_base(buffer.prefix, shard))
+            by_node.setdefault(_at(first, node.host, node.port), []).append(shard)
         return by_node
     pool = client.connection_pool
     master = getattr(pool, "get_master_address", None)  # through Sentinel
     if master is not None:
         host, port = master()
-        return {_at(url, host, port): channels}
-    return {url: channels}
+        return {_at(url, host, port): shards}
+    return {url: shards}
 
 
 def _at(url: str, host: str, port: int) -> str:

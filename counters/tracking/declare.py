@@ -125,8 +125,9 @@ def track(
     ``amount`` is a count of rows and never reads below zero. Call it from
     an ``AppConfig.ready()`` (earlier, :class:`TrackedTooEarly` is raised);
     the same declaration twice is harmless. ``live`` makes the counter watchable
-    (:func:`counters.awatch`): its changes are published on a Redis shard channel;
-    a counter that is not live costs nothing more. Declare it live in every process
+    (:func:`counters.awatch`): the change of each key is published on the key's own
+    Redis shard channel, which only the processes watching it subscribe to; a counter
+    that is not live costs nothing more. Declare it live in every process
     that writes it (the same ``ready()`` does).
     """
     if not apps.models_ready:  # one clear error, not the registry's own from deep inside

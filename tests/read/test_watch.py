@@ -16,12 +16,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+import redis
 from asgiref.sync import sync_to_async
 from django.db import connections
 
 import counters
 from counters.base.exceptions import NotLive
 from counters.buffer import live
+from counters.buffer.cluster import ClusterClient
 from counters.client import get_buffer
 from counters.read.watch import Dispatcher
 from counters.write.fallback import write_direct
@@ -141,6 +143,128 @@ def test_many_watchers_share_one_connection_which_closes_with_the_last(make_user
     run(scenario)
 
 
+def subscribers(member: str) -> int:
+    """How many connections Redis has subscribed to ``member``'s channel (on its node)."""
+    buffer = get_buffer()
+    name = live.channel(buffer.prefix, buffer.shard_of(member), member)
+    client = buffer.client
+    if isinstance(client, ClusterClient):
+        node = client.get_node_from_key(name)
+        with redis.Redis(host=node.host, port=node.port) as server:
+            return int(server.execute_command("PUBSUB", "SHARDNUMSUB", name)[1])
+    return int(client.execute_command("PUBSUB", "SHARDNUMSUB", name)[1])
+
+
+async def until_subscribers(member: str, count: int) -> None:
+    deadline = time.monotonic() + WAIT
+    while await in_thread(subscribers, member) != count:
+        assert time.monotonic() < deadline, f"{member}: never {count} subscribers"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.usefixtures("redis_backend")
+def test_a_watcher_of_one_key_is_sent_nothing_of_another_keys_changes(make_user):
+    alice, bob = make_user(), make_user()
+    bobs = f"unread:{bob.pk}"
+
+    async def scenario() -> None:
+        watch = counters.awatch("unread", alice.pk)
+        try:
+            assert await asyncio.wait_for(anext(watch), WAIT) == 0
+            dispatcher = Dispatcher.of(get_buffer())
+            (event,) = dispatcher.watchers[f"unread:{alice.pk}"]
+            # Bob's changes, by pushes and a direct write: his channel has no subscriber.
+            for _ in range(3):
+                await in_thread(notify, bob)
+            assert await in_thread(write_direct, {bobs: 2}, "default")
+            assert await in_thread(subscribers, bobs) == 0
+            await asyncio.sleep(0.2)
+            assert dispatcher.messages == 0 and not event.is_set()
+            # Alice's change: one message, one read, her exact value.
+            await in_thread(notify, alice)
+            assert await asyncio.wait_for(anext(watch), WAIT) == 1 == await in_thread(truth, alice)
+            await asyncio.sleep(0.2)
+            assert dispatcher.messages == 1 and not event.is_set()
+        finally:
+            await watch.aclose()
+        assert await in_thread(counters.get_value, "unread", bob.pk) == 5
+
+    run(scenario)
+
+
+@pytest.mark.usefixtures("redis_backend")
+def test_watchers_of_one_key_share_one_subscription_and_the_last_to_leave_ends_it(make_user):
+    alice, bob = make_user(), make_user()
+    alices, bobs = f"unread:{alice.pk}", f"unread:{bob.pk}"
+
+    async def scenario() -> None:
+        first, second, of_bob = (counters.awatch("unread", u.pk) for u in (alice, alice, bob))
+        try:
+            assert [await anext(w) for w in (first, second, of_bob)] == [0, 0, 0]
+            dispatcher = Dispatcher.of(get_buffer())
+            assert await in_thread(subscribers, alices) == 1 == await in_thread(subscribers, bobs)
+            connections = dispatcher.connections
+            await in_thread(notify, alice)
+            got = await asyncio.wait_for(asyncio.gather(anext(first), anext(second)), WAIT)
+            assert got == [1, 1] and dispatcher.messages == 1  # one message wakes both
+            await first.aclose()
+            await asyncio.sleep(0.2)
+            assert await in_thread(subscribers, alices) == 1
+            await second.aclose()  # the last watcher of alice: her channel is left
+            await until_subscribers(alices, 0)
+            assert await in_thread(subscribers, bobs) == 1
+            assert dispatcher.connections == connections  # bob still watched, on it
+            await in_thread(notify, alice)
+            await in_thread(notify, bob)
+            assert await asyncio.wait_for(anext(of_bob), WAIT) == 1
+            await asyncio.sleep(0.2)
+            assert dispatcher.messages == 2
+            # A watcher of alice again: subscribed again, her value read then.
+            again = counters.awatch("unread", alice.pk)
+            try:
+                assert await asyncio.wait_for(anext(again), WAIT) == 2
+                assert await in_thread(subscribers, alices) == 1
+                await in_thread(notify, alice)
+                assert await asyncio.wait_for(anext(again), WAIT) == 3
+            finally:
+                await again.aclose()
+        finally:
+            for watch in (first, second, of_bob):
+                await watch.aclose()
+        await asyncio.sleep(0.05)
+        assert dispatcher.connections == 0
+        await until_subscribers(bobs, 0)
+
+    run(scenario)
+
+
+def test_a_watcher_that_comes_as_the_last_one_leaves_keeps_the_subscription(make_user):
+    alice, bob = make_user(), make_user()
+    alices = f"unread:{alice.pk}"
+
+    async def scenario() -> None:
+        of_bob = counters.awatch("unread", bob.pk)  # keeps the dispatcher connected
+        first = counters.awatch("unread", alice.pk)
+        try:
+            assert [await asyncio.wait_for(anext(w), WAIT) for w in (of_bob, first)] == [0, 0]
+            dispatcher = Dispatcher.of(get_buffer())
+            await first.aclose()  # the last watcher of alice leaves, and in this turn
+            second = counters.awatch("unread", alice.pk)  # another comes: nothing to send
+            try:
+                assert await asyncio.wait_for(anext(second), WAIT) == 0
+                assert dispatcher.ready[alices].is_set() and dispatcher.connects == 1
+                assert await in_thread(subscribers, alices) == 1
+                await in_thread(notify, alice)
+                assert await asyncio.wait_for(anext(second), WAIT) == 1
+            finally:
+                await second.aclose()
+        finally:
+            await first.aclose()
+            await of_bob.aclose()
+
+    run(scenario)
+
+
 def test_a_counter_that_is_not_live_cannot_be_watched_and_costs_no_publish(make_user, monkeypatch):
     monkeypatch.setattr(live, "LIVE_COUNTERS", set())
     alice = make_user()
@@ -184,33 +308,43 @@ def test_a_restart_of_redis_mid_watch_makes_the_value_right_again(own_redis, mak
     run(scenario)
 
 
-def test_a_push_publishes_its_live_members_only_once_applied(redis_client, counters_prefix):
+def test_a_push_publishes_each_live_member_on_its_own_channel_once_applied(
+    redis_client, counters_prefix
+):
     from counters.buffer.store import Buffer
 
     buffer = Buffer(redis_client, f"{counters_prefix}:one", shards=1)
     deltas = {"other:1": 4, "unread:1": 1, "other:2": -1, "unread:2": -2}
     plan = buffer.plan_push(deltas, "w1:1")
     ((keys, args),) = plan.calls
-    assert keys[3] == live.channel(buffer.prefix, 0)
+    assert keys[3] == live.channel_base(buffer.prefix, 0) == f"{buffer.prefix}:{{s0}}:live:"
     assert args[4:] == [2, "unread:1", 1, "unread:2", -2, "other:1", 4, "other:2", -1]
+    channels = {m: live.channel(buffer.prefix, 0, m) for m in deltas}
     pubsub = redis_client.pubsub()
     try:
-        pubsub.ssubscribe(keys[3])
-        assert pubsub.get_sharded_message(timeout=1)["type"] == "ssubscribe"
+        for channel in channels.values():
+            pubsub.ssubscribe(channel)
+            assert pubsub.get_sharded_message(timeout=1)["type"] == "ssubscribe"
         assert buffer.push(deltas, "w1:1") == {0}
-        message = pubsub.get_sharded_message(timeout=1)
-        assert message["data"] == b"unread:1\nunread:2"
+        got = [pubsub.get_sharded_message(timeout=1) for _ in range(2)]
+        assert [(m["channel"], m["data"]) for m in got] == [
+            (channels["unread:1"].encode(), b""),
+            (channels["unread:2"].encode(), b""),
+        ]
+        assert pubsub.get_sharded_message(timeout=0.2) is None  # "other" is not live
         assert buffer.push(deltas, "w1:1") == set()  # a repeat adds and announces nothing
         assert pubsub.get_sharded_message(timeout=0.2) is None
-        # Live members alone: the arguments of any push, the channel as a fourth key; one
-        # member's push is encoded as fast as any other's.
+        # Live members alone: the arguments of any push, the channels' start as a fourth
+        # key; one member's push is encoded as fast as any other's.
         ((both_keys, both_args),) = buffer.plan_push({"unread:1": 1, "unread:2": 1}, "w1:2").calls
         assert both_keys == keys and both_args[3:] == [2, "unread:1", 1, "unread:2", 1]
         plan = buffer.plan_push({"unread:2": 2}, "w1:2")
         assert plan.wire is not None and plan.calls[0][0] == keys
         assert buffer.wire_one("unread:2", 2, "w1", 2) is not None
         assert buffer.push({"unread:2": 2}, "w1:2") == {0}
-        assert pubsub.get_sharded_message(timeout=1)["data"] == b"unread:2"
+        message = pubsub.get_sharded_message(timeout=1)
+        assert message["channel"] == channels["unread:2"].encode()
+        assert pubsub.get_sharded_message(timeout=0.2) is None
         deltas["unread:2"] = 0
         pending = redis_client.zrange(buffer.key(0, "pending"), 0, -1, withscores=True)
         assert {m.decode(): int(score) for m, score in pending} == {

@@ -3,13 +3,14 @@
 -- KEYS[2] writer: the writer's hash: 'seq' highest push applied here, 'fenced' lowest fenced
 -- KEYS[3] since: ms time the pending set last became non-empty (set if absent, deleted
 --   when the push leaves the set empty)
--- KEYS[4] live (only in a push with live members): the shard channel their changes go to
+-- KEYS[4] live (only in a push with live members): the start of the shard's channels; a
+--   live member's change goes to KEYS[4] .. member (the shard's hash tag: the script's slot)
 -- ARGV[1] ttl: ms the writer's hash lives after its last push or fence
 -- ARGV[2] sent_at: ms time the writer sent the push
 -- ARGV[3] max_age: ms after sent_at past which the push is refused as delivered late
 -- ARGV[4] seq: sequence number of the push; a repeat, an older or a fenced one is refused
--- ARGV[5..] member, delta pairs; with KEYS[4], each member is published on it, one per line,
---   once added (a shard channel; a plain one on Redis before 7, which has none)
+-- ARGV[5..] member, delta pairs; with KEYS[4], each live member is announced on its channel
+--   once added, an empty message (a shard channel; a plain one on Redis before 7)
 -- ARGV[5] live (with KEYS[4] and an odd number of arguments): only this many members are
 --   live, whose pairs come first, from ARGV[6]
 -- Returns 1 added, 0 refused (repeat, older, fenced), 2 delivered late, or {3, members...}:
@@ -47,11 +48,13 @@ for i = first, #ARGV, 2 do
 end
 -- deltas that cancelled out may leave the set empty: its mark goes with it
 if emptied and redis.call('EXISTS', pending) == 0 then redis.call('DEL', since) end
-if live > 0 then
-  local changed = {}
-  for i = first, first + 2 * live - 2, 2 do changed[#changed + 1] = ARGV[i] end
-  local message = table.concat(changed, '\n')
-  local sent = redis.pcall('SPUBLISH', KEYS[4], message)
-  if type(sent) == 'table' and sent.err then redis.call('PUBLISH', KEYS[4], message) end
+-- each live member on its own channel (one nobody subscribed to costs a dictionary lookup)
+local publish = 'SPUBLISH'
+for i = first, first + 2 * live - 2, 2 do
+  local sent = redis.pcall(publish, KEYS[4] .. ARGV[i], '')
+  if type(sent) == 'table' and sent.err then
+    publish = 'PUBLISH'
+    redis.call(publish, KEYS[4] .. ARGV[i], '')
+  end
 end
 return 1
