@@ -12,7 +12,8 @@ Two publishers:
 - the push script itself, for the live members of a push: the shard's channel
   is one more key; in a push of some live members and some not, their pairs
   come first and their number is one more argument (:func:`live_calls`). A
-  push of one live member is encoded as fast as any (:func:`live_entry`). A
+  push of one live member is encoded as fast as any
+  (:meth:`Intake._live_entry <counters.buffer.intake.Intake._live_entry>`). A
   push with no live member is sent exactly as before, and the script does no
   more work for it;
 - :func:`publish`, called after the COMMIT of a change that does not go
@@ -25,20 +26,13 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 from zlib import crc32
 
 from redis.exceptions import RedisError, ResponseError
 
 from counters.buffer.cluster import Client
 
-if TYPE_CHECKING:
-    from counters.buffer.intake import Intake
-
 logger = logging.getLogger(__name__)
-
-#: The (shard, writer) keys of pushes of live members kept (as ``PUSH_KEYS_CACHED``).
-LIVE_KEYS_CACHED = 4096
 
 #: Names of the live counters of this process (``track(..., live=True)``).
 LIVE_COUNTERS: set[str] = set()
@@ -57,24 +51,6 @@ def is_live(member: str) -> bool:
 def channel(prefix: str, shard: int) -> str:
     """The shard channel of ``shard``'s live members."""
     return f"{prefix}:{{s{shard}}}:live"
-
-
-def live_entry(
-    intake: Intake, shard: int, writer: str, keys: tuple[str, ...]
-) -> tuple[tuple[str, ...], str]:
-    """The keys of a push of live members only in ``shard`` by ``writer`` (``keys``, the
-    push's own, and the shard's channel) and the encoded start of such a push of one member
-    (its arguments are those of any push: every member it names is live), kept."""
-    cache = intake._live_keys_cache
-    entry = cache.get((shard, writer))
-    if entry is None:
-        from counters.buffer.intake import push_head  # (intake imports this module)
-
-        if len(cache) >= LIVE_KEYS_CACHED:
-            cache.clear()  # retired writers' keys
-        live_keys = (*keys, channel(intake.prefix, shard))
-        entry = cache[(shard, writer)] = (live_keys, push_head(intake._push.sha, live_keys))
-    return entry
 
 
 def live_calls(
