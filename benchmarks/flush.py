@@ -23,7 +23,17 @@ from counters.models import FlushBatch
 from notifications.apps import UNREAD_COUNTER
 
 from .errors import BenchError
-from .internals import CHUNK, Buffer, FlushResult, batched, column, conf, model_field, pushids
+from .internals import (
+    CHUNK,
+    Buffer,
+    FlushResult,
+    batched,
+    column,
+    conf,
+    lanes,
+    model_field,
+    pushids,
+)
 from .internals import shard as flusher
 
 #: Deltas of one flush interval: mostly single notifications, some bursts, some reads.
@@ -75,7 +85,7 @@ def delete_ledger_rows(batch_ids: list[str]) -> None:
 
 def real_flush(buffer: Buffer) -> FlushResult:
     """The flush cron and Celery run, on the bench buffer, without pruning the shared ledger."""
-    return flusher.flush_buffer(
+    return lanes.flush_buffer(
         buffer,
         batch_size=conf.batch_size(),
         time_budget=3600.0,

@@ -25,11 +25,11 @@ from counters.buffer.keyspace import int_reply
 from counters.buffer.line import Line
 from counters.buffer.scripts import PUSH_SCRIPT
 from counters.buffer.store import PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS, Buffer
-from counters.flushing import shard
+from counters.flushing import lanes, shard
 from counters.flushing.result import FlushResult
 from counters.ops.fanout import flush_part, partition
 from counters.read.values import _read_rows as read_rows
-from counters.write import acks, delivery
+from counters.write import acks, delivery, replies
 from counters.write.apply import CHUNK
 from counters.write.outbox import clear_landed
 from counters.write.transactions import unsent
@@ -56,11 +56,13 @@ __all__ = [
     "first_line",
     "flush_part",
     "int_reply",
+    "lanes",
     "live",
     "model_field",
     "partition",
     "pushids",
     "read_rows",
+    "replies",
     "shard",
     "to_str",
     "unsent",

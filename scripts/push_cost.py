@@ -12,7 +12,7 @@ mode adds one layer of Tally's write path to the one before:
   id, nothing sent;
 - ``line``: ``plan``, then the push written by a
   :class:`~counters.buffer.line.Line`, the replies read 16 at a time;
-- ``acks``: :meth:`counters.write.acks.Acks.push`, which adds its writers, the
+- ``acks``: :meth:`counters.write.replies.Acks.push`, which adds its writers, the
   pushes waiting and the rule of when their replies are read;
 - ``send``: :func:`counters.write.delivery.send`, what a commit calls (the
   buffer, its layout recorded, the settings).
@@ -58,7 +58,7 @@ def main() -> int:
     from django.db import connection
 
     import counters
-    from benchmarks.internals import Line, acks, delivery, pushids
+    from benchmarks.internals import Line, delivery, pushids, replies
     from benchmarks.writers import PushFloor, drop_floor_keys
 
     connection.ensure_connection()
@@ -67,7 +67,7 @@ def main() -> int:
     floor.connect()
     line = Line(buffer)
     writer = pushids.Writer()
-    line_acks = acks.Acks(buffer, "default")
+    line_acks = replies.Acks(buffer, "default", replies.ThreadLines())
     n = args.pushes
 
     def floor_push() -> None:
@@ -82,7 +82,7 @@ def main() -> int:
     def through_line() -> None:
         for _ in range(n):
             line.send(buffer.plan_push({MEMBER: 1}, writer.next_push_id()))
-            if len(line.unread) >= acks.MAX_WAITING:
+            if len(line.unread) >= replies.MAX_WAITING:
                 while line.unread:
                     line.receive()
         while line.unread:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Replies read at once, as ``counters.write.acks.MAX_WAITING``.
+#: Replies read at once, as ``counters.write.replies.MAX_WAITING``.
 WINDOW = 16
 
 

@@ -63,7 +63,7 @@ def main() -> int:
 
     import counters
     from benchmarks.errors import BenchError
-    from benchmarks.internals import Line, acks, pushids
+    from benchmarks.internals import Line, pushids, replies
     from benchmarks.writers import Floor, PushFloor, drop_floor_keys, operations, set_mode
     from notifications.models import Notification
 
@@ -90,11 +90,11 @@ def main() -> int:
             seen += chunk.count(b"\n")
         unread = 0
 
-    def floor_push(self: Any, deltas: Mapping[str, int], complete: Any, batch: int) -> bool:
+    def floor_push(self: Any, deltas: Mapping[str, int], complete: Any, batch: int) -> list:
         floor.push(dict(deltas))
-        return True
+        return []  # sent, none failed
 
-    def command_socket(self: Any, deltas: Mapping[str, int], complete: Any, batch: int) -> bool:
+    def command_socket(self: Any, deltas: Mapping[str, int], complete: Any, batch: int) -> list:
         nonlocal unread
         ((member, delta),) = deltas.items()
         with self.lock:
@@ -110,9 +110,9 @@ def main() -> int:
             if unread >= Floor.WINDOW:
                 read_replies()
             writers.append(writer)
-        return True
+        return []  # sent, none failed
 
-    pushes: dict[str, Callable[..., bool]] = {
+    pushes: dict[str, Callable[..., list]] = {
         "save_floor": floor_push,
         "command_socket": command_socket,
     }
@@ -120,13 +120,13 @@ def main() -> int:
     @contextmanager
     def pushing(mode: str) -> Iterator[None]:
         """Within it, a ``tally`` push of the thread goes the mode's way."""
-        hand_on = acks.Acks.hand_on
+        hand_on = replies.Acks.hand_on
         if mode in pushes:
-            acks.Acks.hand_on = pushes[mode]  # type: ignore[method-assign]
+            replies.Acks.hand_on = pushes[mode]  # type: ignore[method-assign]
         try:
             yield
         finally:
-            acks.Acks.hand_on = hand_on  # type: ignore[method-assign]
+            replies.Acks.hand_on = hand_on  # type: ignore[method-assign]
 
     spent: dict[str, list[float]] = {m: [] for m in MODES}
     for round_ in range(args.rounds):

@@ -67,7 +67,7 @@ def run(mode: str, inserts: int, cold_mb: int) -> int:
     from django.db.models import Model
 
     import counters
-    from benchmarks.internals import acks
+    from benchmarks.internals import replies
     from benchmarks.writers import Floor, operations, set_mode
 
     ids = itertools.count(10**12)
@@ -76,7 +76,7 @@ def run(mode: str, inserts: int, cold_mb: int) -> int:
         return [(next(ids),)]
 
     Model._do_insert = stubbed_insert  # type: ignore[method-assign]
-    acks.ACK_AFTER = 1e9
+    replies.ACK_AFTER = 1e9
     connection.ensure_connection()
     set_mode(mode, 0)
     op = operations()[mode]

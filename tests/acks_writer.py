@@ -31,10 +31,10 @@ def main() -> None:
     import django
 
     django.setup()
-    from counters.write import acks
+    from counters.write import acks, replies
     from notifications.models import Notification
 
-    acks.ACK_AFTER = 3600.0  # replies are left for the end to deal with
+    replies.ACK_AFTER = 3600.0  # replies are left for the end to deal with
     for i in range(args.notifications):
         Notification.objects.create(recipient_id=args.user, verb=f"written {i}")
     unread = sum(len(line.waiting) for line in acks._lines())

@@ -25,16 +25,13 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+from typing import Any, ParamSpec, Protocol, TypeVar, cast
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import multiprocess as prometheus_multiprocess
 
 from counters.base.exceptions import BufferUnavailable, FlushFailed
-
-if TYPE_CHECKING:
-    from counters.flushing.result import FlushResult
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +210,19 @@ def _flush_started(using: str) -> None:
     FLUSH_IN_PROGRESS.labels(using).inc()
 
 
+class FlushCounts(Protocol):
+    """What the metrics of a flush read of its result
+    (:class:`~counters.flushing.result.FlushResult`)."""
+
+    batches: int
+    keys: int
+    deltas: int
+    recovered: int
+    dropped: int
+
+
 @_never_raises
-def _flush_done(using: str, outcome: str, result: FlushResult | None, seconds: float) -> None:
+def _flush_done(using: str, outcome: str, result: FlushCounts | None, seconds: float) -> None:
     FLUSH_IN_PROGRESS.labels(using).dec()
     FLUSH_RUNS.labels(using, outcome).inc()
     FLUSH_DURATION.labels(using).observe(seconds)

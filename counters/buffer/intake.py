@@ -75,7 +75,7 @@ class Intake(Keyspace):
                 if entry is None:
                     entry = self._push_entry(shard, writer)
                 if live.LIVE_COUNTERS and live.is_live(member):  # with the start of its channel
-                    entry = live.live_entry(self, shard, writer, entry[0])
+                    entry = self._live_entry(shard, writer, entry[0])
                 keys, head = entry
                 call = [PUSH_MARKER_TTL_MS, now_ms, PUSH_MAX_AGE_MS, seq, member, delta]
                 plan = PushPlan(push_id, deltas, {shard: [member, delta]}, {}, [(keys, call)])
@@ -130,7 +130,7 @@ class Intake(Keyspace):
         if entry is None:
             entry = self._push_entry(shard, writer)
         if live.LIVE_COUNTERS and live.is_live(member):  # with the start of its channel
-            entry = live.live_entry(self, shard, writer, entry[0])
+            entry = self._live_entry(shard, writer, entry[0])
         head = entry[1]
         if not head:
             return None
@@ -159,6 +159,21 @@ class Intake(Keyspace):
             f"{self.prefix}:{{s{shard}}}:since",
         )
         entry = cache[(shard, writer)] = (keys, push_head(self._push.sha, keys))
+        return entry
+
+    def _live_entry(
+        self, shard: int, writer: str, keys: tuple[str, ...]
+    ) -> tuple[tuple[str, ...], str]:
+        """The keys of a push of live members only in ``shard`` by ``writer`` (``keys``, the
+        push's own, and the start of the shard's channels) and the encoded start of such a push of one
+        member (its arguments are those of any push: every member it names is live), kept."""
+        cache = self._live_keys_cache
+        entry = cache.get((shard, writer))
+        if entry is None:
+            if len(cache) >= PUSH_KEYS_CACHED:
+                cache.clear()  # retired writers' keys
+            live_keys = (*keys, live.channel_base(self.prefix, shard))
+            entry = cache[(shard, writer)] = (live_keys, push_head(self._push.sha, live_keys))
         return entry
 
     def fence(self, members: Iterable[str], push_id: PushId | str) -> set[int]:

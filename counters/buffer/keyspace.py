@@ -75,8 +75,7 @@ class Keyspace:
         #: command (:meth:`Intake._push_entry`).
         self._push_keys_cache: dict[tuple[int, str], tuple[tuple[str, ...], str]] = {}
         #: The same for pushes of live members, with the start of their shard's channels as a
-        #: fourth key
-        #: (:func:`counters.buffer.live.live_entry`).
+        #: fourth key (:meth:`Intake._live_entry`).
         self._live_keys_cache: dict[tuple[int, str], tuple[tuple[str, ...], str]] = {}
         # redis-py's ``evalsha()`` inspects its arguments for deprecations on every
         # call, a quarter of a push's client time: a plain client takes the command

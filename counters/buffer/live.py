@@ -16,8 +16,9 @@ Two publishers:
   script appends each member; in a push of some live members and some not,
   their pairs come first and their number is one more argument
   (:func:`live_calls`). A push of one live member is encoded as fast as any
-  (:func:`live_entry`). A push with no live member is sent exactly as before,
-  and the script does no more work for it;
+  (:meth:`Intake._live_entry <counters.buffer.intake.Intake._live_entry>`). A
+  push with no live member is sent exactly as before, and the script does no
+  more work for it;
 - :func:`publish`, called after the COMMIT of a change that does not go
   through a push: a direct write when Redis is down, a discard of
   quarantined deltas.
@@ -28,20 +29,13 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 from zlib import crc32
 
 from redis.exceptions import RedisError, ResponseError
 
 from counters.buffer.cluster import Client
 
-if TYPE_CHECKING:
-    from counters.buffer.intake import Intake
-
 logger = logging.getLogger(__name__)
-
-#: The (shard, writer) keys of pushes of live members kept (as ``PUSH_KEYS_CACHED``).
-LIVE_KEYS_CACHED = 4096
 
 #: Names of the live counters of this process (``track(..., live=True)``).
 LIVE_COUNTERS: set[str] = set()
@@ -65,25 +59,6 @@ def channel_base(prefix: str, shard: int) -> str:
 def channel(prefix: str, shard: int, member: str) -> str:
     """The shard channel of ``member`` (in ``shard``), where its changes are announced."""
     return f"{prefix}:{{s{shard}}}:live:{member}"
-
-
-def live_entry(
-    intake: Intake, shard: int, writer: str, keys: tuple[str, ...]
-) -> tuple[tuple[str, ...], str]:
-    """The keys of a push of live members only in ``shard`` by ``writer`` (``keys``, the
-    push's own, and the start of the shard's channels) and the encoded start of such a
-    push of one member (its arguments are those of any push: every member it names is
-    live), kept."""
-    cache = intake._live_keys_cache
-    entry = cache.get((shard, writer))
-    if entry is None:
-        from counters.buffer.intake import push_head  # (intake imports this module)
-
-        if len(cache) >= LIVE_KEYS_CACHED:
-            cache.clear()  # retired writers' keys
-        live_keys = (*keys, channel_base(intake.prefix, shard))
-        entry = cache[(shard, writer)] = (live_keys, push_head(intake._push.sha, live_keys))
-    return entry
 
 
 def live_calls(

@@ -17,18 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis import Redis
-from redis.cluster import ClusterNode
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from counters.base.exceptions import NotConnected
-
-if TYPE_CHECKING:
-    from counters.buffer.cluster import ClusterClient
 
 #: Rounds of one pipeline: the first, and resends of what the cluster redirected.
 ATTEMPTS = 3
@@ -47,6 +44,18 @@ class RedisCommand:
         if self.name in SCRIPT_COMMANDS:
             return self.args[2] if int(self.args[1]) > 0 else None
         return self.args[0] if self.args else None
+
+
+class Router(Protocol):
+    """What a pipeline needs of its cluster client
+    (:class:`~counters.buffer.cluster.ClusterClient`): the cluster and its slot table, and
+    the sending of queued commands."""
+
+    def cluster(self) -> RedisCluster: ...
+
+    def refresh(self) -> None: ...
+
+    def send(self, commands: Sequence[RedisCommand], raise_on_error: bool = True) -> list[Any]: ...
 
 
 @dataclass
@@ -70,7 +79,7 @@ class Sending:
     a command is sent again only if the cluster did not run it.
     """
 
-    def __init__(self, client: ClusterClient, commands: Sequence[RedisCommand]) -> None:
+    def __init__(self, client: Router, commands: Sequence[RedisCommand]) -> None:
         self.client = client
         self.cluster = client.cluster()
         self.commands = commands
@@ -216,13 +225,13 @@ def outcome(replies: list[Any], raise_on_error: bool) -> list[Any]:
 
 class NodePipeline:
     """Commands queued like a redis-py pipeline (``pipe.get(key)``, ``pipe.evalsha(...)``),
-    sent by :meth:`ClusterClient.send` as one pipeline per master.
+    sent by :meth:`Router.send` as one pipeline per master.
 
     Each command goes to the master of its first key (of a script's first
     key): the keys of one command must share a slot.
     """
 
-    def __init__(self, client: ClusterClient) -> None:
+    def __init__(self, client: Router) -> None:
         self.client = client
         self.commands: list[RedisCommand] = []
 

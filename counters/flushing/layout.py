@@ -26,7 +26,7 @@ from django.utils import timezone
 from counters.base.exceptions import LayoutChangePending
 from counters.buffer.store import Buffer
 from counters.flushing.epoch import mark_rebuild_needed
-from counters.flushing.shard import flush_buffer
+from counters.flushing.lanes import flush_buffer
 from counters.models import BufferLayout, describe_layout
 from counters.write.preflight import is_cluster
 

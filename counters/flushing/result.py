@@ -1,6 +1,6 @@
 """What a flush did: batches, keys and deltas applied, and every shard it could not flush.
 
-One :class:`FlushResult` is filled by the shard drain (:mod:`counters.flushing.shard`),
+One :class:`FlushResult` is filled by a flush of the buffer (:mod:`counters.flushing.lanes`),
 the layout drain, the run entry and each part of a parallel run; ``summary()`` is
 the one log line of a run, ``as_dict()`` what ``counters_status`` and
 ``/metrics`` read back.

@@ -23,33 +23,29 @@ reads never count a delta twice.
 
 The steps of one shard's flush are the methods of :class:`ShardFlush`, each
 stating its invariant: begin (the epoch check), move, apply, isolate and
-acknowledge, under the shard's lease. :func:`flush_buffer` flushes each shard.
+acknowledge, under the shard's lease. :func:`counters.flushing.lanes.flush_buffer`
+flushes each shard.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import replace
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from django.db import DatabaseError, IntegrityError, connections
 
-from counters.base import conf
-from counters.base.utils import first_line
 from counters.buffer.lease import Lease
 from counters.buffer.store import Batch, Buffer
 from counters.flushing import ledger, waits
 from counters.flushing.epoch import check_epoch, record_loss
-from counters.flushing.quarantine import ERROR_LIMIT, BatchLost, error_line, narrow_or_quarantine
-from counters.flushing.result import FlushResult, added_up
+from counters.flushing.quarantine import BatchLost, narrow_or_quarantine
+from counters.flushing.result import FlushResult
 from counters.models import FlushBatch
 from counters.write import changes
 from counters.write.apply import DATABASE_ERRORS, apply_deltas, prepare_deltas
@@ -66,8 +62,9 @@ def new_batch_id() -> str:
     return uuid.uuid4().hex
 
 
-#: The lanes' turn at the database (:class:`Lanes`) that :func:`apply_batch` takes in this
-#: thread, set by :meth:`ShardFlush.apply`; None with one lane.
+#: The lanes' turn at the database (:class:`~counters.flushing.lanes.Lanes`) that
+#: :func:`apply_batch` takes in this thread, set by :meth:`ShardFlush.apply`; None with one
+#: lane.
 _turn: ContextVar[threading.Lock | None] = ContextVar("counters_flush_turn", default=None)
 
 
@@ -137,7 +134,8 @@ class ShardFlush:
         turn: threading.Lock | None = None,
     ) -> None:
         self.buffer, self.shard, self.using = buffer, shard, using
-        #: Held while a batch is applied when lanes share the database (:class:`Lanes`).
+        #: Held while a batch is applied when lanes share the database
+        #: (:class:`~counters.flushing.lanes.Lanes`).
         self.turn = turn
         self.batch_size, self.lease_timeout, self.deadline = batch_size, lease_timeout, deadline
         self.result = result
@@ -347,86 +345,6 @@ def prepared(batch: Batch, using: str) -> Batch:
     return replace(batch, items=items)
 
 
-def chosen_shards(buffer: Buffer, shards: Iterable[int] | None) -> list[int]:
-    """``shards`` sorted without repeats (every shard of ``buffer`` if None).
-
-    Raises ``ValueError`` for a shard that ``buffer`` does not have, or an empty set.
-    """
-    if shards is None:
-        return list(range(buffer.shards))
-    items = list(shards)
-    wrong = [
-        s
-        for s in items
-        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < buffer.shards
-    ]
-    if wrong:
-        raise ValueError(
-            f"shards {wrong!r} are not shards of this buffer (0 to {buffer.shards - 1})"
-        )
-    chosen = sorted(set(items))
-    if not chosen:
-        raise ValueError("no shards to flush: pass None for every shard")
-    return chosen
-
-
-def shard_failed(shard: int, exc: Exception, result: FlushResult) -> None:
-    """Log and record a failed ``shard`` (its batch stays in flight); the others go on."""
-    logger.error(
-        "flush of shard %s failed (%s); its batch stays in flight",
-        shard,
-        error_line(exc),
-        exc_info=logger.isEnabledFor(logging.DEBUG),  # the traceback only when debugging
-    )
-    result.failed_shards[shard] = first_line(exc, ERROR_LIMIT)
-
-
-def flush_buffer(
-    buffer: Buffer,
-    *,
-    using: str = DEFAULT_DB_ALIAS,
-    batch_size: int = 5000,
-    time_budget: float = 30.0,
-    lease_timeout: float = 30.0,
-    retention: int | None = None,
-    shards: Iterable[int] | None = None,
-    lanes: int | None = None,
-) -> FlushResult:
-    """Flush each shard of ``buffer`` once, or only ``shards``; returns a FlushResult.
-
-    Each shard is drained under its own lease; shards another flusher holds
-    are skipped (``busy_shards``). Several flushers given disjoint ``shards``
-    (the parts of a parallel flush, see ``counters.ops.fanout``) work side by
-    side; given the same shards they still apply each batch once. Shards are
-    visited from a random one on, so that a budget that runs out leaves other
-    shards behind each time. ``retention`` (seconds) prunes the ledger
-    afterwards. Raises ``ValueError`` for shards ``buffer`` lacks, touching none.
-
-    ``lanes`` (default ``COUNTERS_FLUSH_LANES``): shards drained side by side by
-    this flush, each lane a thread with a database connection of its own
-    (:class:`Lanes`), one batch's statements at a time among them: while one
-    lane's batch is in the database, another moves and prepares its next
-    batch, or commits the one before. One lane where that cannot be: inside
-    a transaction on ``using`` (the lanes' connections would not see its
-    rows), on SQLite (one writer), or for a single shard.
-    """
-    order = chosen_shards(buffer, shards)
-    started = time.monotonic()
-    deadline = started + time_budget
-    offset = random.randrange(len(order))  # fairness when the time budget runs out
-    order = order[offset:] + order[:offset]
-    lanes = conf.flush_lanes() if lanes is None else lanes
-    conn = connections[using]
-    if conn.vendor == "sqlite" or conn.in_atomic_block:
-        lanes = 1
-    result = Lanes(buffer, order, using, batch_size, lease_timeout, deadline).run(lanes)
-    if retention is not None:
-        ledger.prune_ledger(buffer, using, retention)
-    result.seconds = time.monotonic() - started
-    logger.debug("%s", result.summary())
-    return result
-
-
 def database_gone(using: str) -> bool:
     """Whether this thread cannot reach database ``using``: its connection fails a query.
 
@@ -439,107 +357,3 @@ def database_gone(using: str) -> bool:
     except DatabaseError:
         return True
     return not conn.is_usable()
-
-
-class Lanes:
-    """Shards of one flush drained by several threads, one batch's statements at a time.
-
-    A batch's apply waits on the database for most of its time; the epoch
-    check, moving the next batch out of Redis and parsing it are the
-    flusher's own work. With two lanes one does the latter while the other's
-    statement runs. The lanes take turns (``turn``) for a batch's statements,
-    from its BEGIN to its batch UPDATE: the database runs one flush
-    statement at a time, as one flusher always did, except that a batch's
-    COMMIT runs beside the next lane's statements. The lanes' shards are
-    disjoint, so their transactions touch disjoint rows (counter rows,
-    ledger rows, their shards' epoch rows), and the exactly-once argument
-    is unchanged (each shard under its own lease, one lane per shard).
-
-    Each lane takes the next shard of ``order`` when it finishes one, so a
-    shard with a backlog does not hold the others up. The calling thread is
-    the first lane; the others are threads whose database connection is
-    closed when they end. A lane that meets Redis or the database gone stops
-    every lane after its current shard, and the error is raised here.
-    ``counters.signals.applied`` is sent from the lane that applied the batch.
-    """
-
-    def __init__(
-        self,
-        buffer: Buffer,
-        order: list[int],
-        using: str,
-        batch_size: int,
-        lease_timeout: float,
-        deadline: float,
-    ) -> None:
-        self.buffer, self.using, self.batch_size = buffer, using, batch_size
-        self.lease_timeout, self.deadline = lease_timeout, deadline
-        self.waiting = list(reversed(order))
-        self.lock = threading.Lock()
-        #: Held by the lane applying a batch; None with one lane.
-        self.turn: threading.Lock | None = None
-        self.failures: list[BaseException] = []
-
-    def run(self, lanes: int) -> FlushResult:
-        """Drain every shard in up to ``lanes`` lanes (one per shard at most); what they did."""
-        results = [FlushResult() for _ in range(max(1, min(lanes, len(self.waiting))))]
-        if len(results) > 1:
-            self.turn = threading.Lock()
-        threads = [
-            threading.Thread(
-                target=self._lane_thread, args=(part,), name=f"counters-flush-lane-{i}"
-            )
-            for i, part in enumerate(results[1:], 1)
-        ]
-        for thread in threads:
-            thread.start()
-        try:
-            self._lane(results[0])
-        finally:
-            for thread in threads:
-                thread.join()
-        if self.failures:
-            raise self.failures[0]
-        return added_up(results)
-
-    def _next(self) -> int | None:
-        with self.lock:
-            if self.failures or not self.waiting:
-                return None
-            return self.waiting.pop()
-
-    def _lane(self, result: FlushResult) -> None:
-        try:
-            while (shard := self._next()) is not None:
-                self._flush_shard(shard, result)
-        except BaseException as exc:
-            with self.lock:
-                self.failures.append(exc)
-
-    def _flush_shard(self, shard: int, result: FlushResult) -> None:
-        """One shard's flush (:class:`ShardFlush`); its failure is recorded in ``result``
-        (``failed_shards``) unless Redis or the database is gone: then it raises."""
-        flusher = ShardFlush(
-            self.buffer,
-            shard,
-            using=self.using,
-            batch_size=self.batch_size,
-            lease_timeout=self.lease_timeout,
-            deadline=self.deadline,
-            result=result,
-            turn=self.turn,
-        )
-        try:
-            flusher.run()
-        except (RedisConnectionError, RedisTimeoutError):
-            raise  # Redis is unreachable: no other shard can do better
-        except Exception as exc:
-            if database_gone(self.using):
-                raise  # the database is gone: no other shard can do better
-            shard_failed(shard, exc, result)
-
-    def _lane_thread(self, result: FlushResult) -> None:
-        try:
-            self._lane(result)
-        finally:
-            connections.close_all()  # this thread's own connections

@@ -37,7 +37,7 @@ from django.db import DatabaseError, connections, transaction
 
 from counters.base.registry import all_specs
 from counters.models import BufferEpoch, FlushBatch
-from counters.write import upsert
+from counters.write.upserts.on_conflict import KEY_ORDER_SETTINGS, in_key_order
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def atomic(using: str) -> Iterator[None]:
 
     PostgreSQL: ``SET LOCAL`` of the three timeouts, first thing in the
     transaction, with the planner settings that keep a batch's UPDATE in key
-    order (:data:`counters.write.upsert.KEY_ORDER_SETTINGS`) when the
+    order (:data:`counters.write.upserts.on_conflict.KEY_ORDER_SETTINGS`) when the
     transaction is its own: one round trip.
     MySQL/MariaDB: the session's three limits, set before BEGIN in one
     statement and put back after the transaction.
@@ -126,10 +126,10 @@ def atomic(using: str) -> Iterator[None]:
                 "SELECT set_config('lock_timeout', %s, true), "
                 "set_config('statement_timeout', %s, true), "
                 "set_config('idle_in_transaction_session_timeout', %s, true)"
-                + (f", {upsert.KEY_ORDER_SETTINGS}" if own else ""),
+                + (f", {KEY_ORDER_SETTINGS}" if own else ""),
                 [str(_ms(limits.lock)), str(_ms(limits.statement)), str(_ms(limits.idle))],
             )
-        with upsert.in_key_order(using) if own else nullcontext():
+        with in_key_order(using) if own else nullcontext():
             yield
 
 

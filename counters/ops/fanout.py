@@ -61,10 +61,10 @@ from counters.base.utils import to_str
 from counters.buffer.store import Buffer
 from counters.client import get_buffer
 from counters.flushing import layout, waits
+from counters.flushing.lanes import flush_buffer
 from counters.flushing.ledger import prune_ledger
 from counters.flushing.result import FlushResult
 from counters.flushing.settle import settle_fallbacks
-from counters.flushing.shard import flush_buffer
 from counters.ops.run import LAYOUT_PENDING_MESSAGE, added_up, needed_since, repair_and_rebuild
 from counters.read import backfill
 from counters.write.durable import clear_applied, drain_outbox

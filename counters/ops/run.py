@@ -2,7 +2,7 @@
 
 :func:`flush` is a whole run: what ``counters.flush()``, the ``counters_flush``
 command and the Celery task (with ``COUNTERS_FLUSH_PARALLELISM`` 1) run. The
-shard-by-shard engine is :func:`counters.flushing.shard.flush_buffer`; a run split
+shard-by-shard engine is :func:`counters.flushing.lanes.flush_buffer`; a run split
 over several workers is :mod:`counters.ops.fanout`.
 """
 
@@ -26,9 +26,9 @@ from counters.buffer.store import Buffer
 from counters.client import flushed_databases, get_buffer
 from counters.flushing import layout, quarantine, waits
 from counters.flushing.epoch import rebuild_needed_since
+from counters.flushing.lanes import flush_buffer
 from counters.flushing.result import FlushResult, added_up
 from counters.flushing.settle import settle_fallbacks
-from counters.flushing.shard import flush_buffer
 from counters.read import backfill
 from counters.verify.hold import rebuild_lease, wait_for_audit
 from counters.verify.rebuild import rebuild_all, rebuild_backfilling, repair_queued

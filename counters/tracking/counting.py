@@ -38,8 +38,7 @@ from django.dispatch import Signal
 from counters.base.context import already_counted, is_paused
 from counters.base.utils import concrete_model, connection_of
 from counters.tracking.deletes import UNKNOWN, deleted_row
-from counters.tracking.follow import with_related
-from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows
+from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows, with_related
 from counters.tracking.trackers import (
     InsertPlan,
     touches,

@@ -40,8 +40,7 @@ from counters.buffer.live import make_live
 from counters.tracking import keys, m2m, refusals
 from counters.tracking.paths import Hop, PathError, resolve
 from counters.tracking.routes import install_tracked
-from counters.tracking.trackers import Tracker, add_tracker, find_tracker
-from counters.tracking.truth import QueryTruth
+from counters.tracking.trackers import QueryTruth, Tracker, add_tracker, find_tracker
 from counters.tracking.where import WhereError, compile_where
 
 logger = logging.getLogger(__name__)

@@ -35,8 +35,7 @@ from typing import Any
 from django.db import models
 
 from counters.base.utils import batched, concrete_model
-from counters.tracking.follow import with_related
-from counters.tracking.rows import CHUNK, Row, locked_rows, plain
+from counters.tracking.rows import CHUNK, Row, locked_rows, plain, with_related
 
 
 @dataclass

@@ -7,7 +7,7 @@ post's ``author``, ``published`` or ``blog``; the blog's ``owner``) by
 ``save()`` or by ``QuerySet.update()`` (the collector's ``SET_NULL``,
 related managers and ``bulk_update()`` go through it) locks the changed
 rows ``FOR UPDATE``, reads their old values and those of the paths below
-them (the rows on the way share-locked, :func:`~counters.tracking.follow.path_values`),
+them (the rows on the way share-locked, :func:`~counters.tracking.rows.path_values`),
 writes, reads the new ones (a new blog of a post share-locked before it is
 read), and moves the contributions of every comment below them in one
 aggregate query per tracker: ``COUNT`` (or ``SUM``) of the comments joined
@@ -17,7 +17,7 @@ with the old values and once with the new. The deltas are added in the same
 transaction, as every counted path does.
 
 A comment's own counted paths share-lock every row along its paths before
-reading them (:func:`~counters.tracking.follow.with_related`), and so does
+reading them (:func:`~counters.tracking.rows.with_related`), and so does
 a change of a middle row for the rows further out: a change at any depth
 either waits for them and its aggregate sees their rows, or they wait for
 it and read its new values. A deleted middle row needs no route of its own:
@@ -38,9 +38,8 @@ from django.db import connections, models, router, transaction
 from counters.base.context import is_paused
 from counters.base.utils import batched, concrete_model, model_field
 from counters.tracking.deletes import being_deleted, sorted_pks
-from counters.tracking.follow import path_values
 from counters.tracking.paths import Hop
-from counters.tracking.rows import CHUNK, Row, plain
+from counters.tracking.rows import CHUNK, Row, path_values, plain
 from counters.tracking.trackers import Through, Tracker, middle_hops, middle_touched
 from counters.tracking.where import is_expression, python_value
 from counters.write.add import add_members

@@ -9,7 +9,7 @@ one a column of the model the previous one points to) and the column read
 at the end (``field``). A row of the source carries the value of a hop
 under its ``path`` (``row["post__blog__owner"]`` is the owner's key), read
 with every row along the path locked
-(:func:`~counters.tracking.follow.with_related`); a change of a row in the
+(:func:`~counters.tracking.rows.with_related`); a change of a row in the
 middle moves the contributions of every row below it at once
 (:mod:`counters.tracking.middle`).
 

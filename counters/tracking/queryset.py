@@ -23,7 +23,6 @@ from counters.base.context import counted_rows, is_paused
 from counters.base.utils import batched, model_field
 from counters.tracking.counting import rows_changed
 from counters.tracking.deletes import being_deleted
-from counters.tracking.follow import with_related
 from counters.tracking.middle import counted_update
 from counters.tracking.relatives import (
     count_relatives,
@@ -32,7 +31,7 @@ from counters.tracking.relatives import (
     spans_tables,
     touched_relatives,
 )
-from counters.tracking.rows import CHUNK, instance_row, locked_rows, plain, read_rows
+from counters.tracking.rows import CHUNK, instance_row, locked_rows, plain, read_rows, with_related
 from counters.tracking.trackers import middle_touched, touches, tracked_fields, trackers_for
 from counters.tracking.where import is_expression, python_value
 

@@ -5,6 +5,8 @@ a model has (:func:`trackers_for`), which of its fields they read
 (:func:`tracked_fields`) and whether a change of some fields can move a
 counter (:func:`touches`). Invariant: a tracker is added once, after its
 declaration was checked and its counter registered, and never changes.
+A tracker's truth, read from its source rows for rebuilds and audits, is
+its :class:`QueryTruth`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
-from django.db import models
+from django.db import DEFAULT_DB_ALIAS, models
 from django.db.models import Q
 
 from counters.base import registry
-from counters.base.utils import concrete_model
+from counters.base.utils import concrete_model, target_field
 from counters.tracking.paths import Chain, Hop
 from counters.tracking.where import PLAIN_TYPES, Predicate, Row, is_expression, native_type
 
@@ -120,6 +122,72 @@ class Tracker:
                 if found is not None and found[1]:
                     name = member(found[0])
                     into[name] = into.get(name, 0) + sign * found[1]
+
+
+class QueryTruth:
+    """A :class:`~counters.base.registry.TruthSource` computed by SQL from a declaration.
+
+    ``COUNT(*)`` (or ``SUM(amount)``) of the source rows matching ``where``,
+    grouped by key (a related key or where is a join: ``post__author``). When
+    the key points to a parent model, the keys are the parent's rows in keyset
+    order, so counters whose truth is 0 are checked too; otherwise they are the
+    keys found in the source rows and in the counter rows.
+    """
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def __repr__(self) -> str:
+        return f"QueryTruth({self.tracker.name!r})"
+
+    def _rows(self, using: str) -> models.QuerySet:
+        # A plain queryset: every row counts, whatever the default manager hides.
+        return models.QuerySet(self.tracker.model, using=using)
+
+    def keys_after(
+        self, after: Any | None, limit: int, *, using: str = DEFAULT_DB_ALIAS
+    ) -> list[Any]:
+        parent = self.tracker.parent_model
+        if parent is not None:
+            column = target_field(self.tracker.key_field).attname
+            keys: models.QuerySet[Any, Any] = models.QuerySet(parent, using=using)
+            keys = keys.order_by(column)
+            if after is not None:
+                keys = keys.filter(**{f"{column}__gt": after})
+            return list(keys.values_list(column, flat=True)[:limit])
+        found = set(self._distinct(self._rows(using), self.tracker.key_name, after, limit))
+        spec = self.tracker.spec
+        counted: models.QuerySet[Any, Any] = models.QuerySet(spec.model, using=using)
+        found.update(self._distinct(counted, spec.key_attname, after, limit))
+        return sorted(found)[:limit]
+
+    @staticmethod
+    def _distinct(rows: models.QuerySet, column: str, after: Any, limit: int) -> list[Any]:
+        rows = rows.filter(**{f"{column}__isnull": False})
+        if after is not None:
+            rows = rows.filter(**{f"{column}__gt": after})
+        return list(rows.order_by(column).values_list(column, flat=True).distinct()[:limit])
+
+    def count_for(self, keys: list[Any], *, using: str = DEFAULT_DB_ALIAS) -> dict[Any, int]:
+        tracker = self.tracker
+        column = tracker.key_name
+        rows = self._rows(using).filter(**{f"{column}__in": keys})
+        if tracker.where is not None:
+            rows = rows.filter(tracker.where)
+        if tracker.amount_field is None:
+            total: Any = models.Count("pk")
+        else:
+            total = models.Sum(tracker.amount_field.attname)
+        grouped = rows.order_by().values(column).annotate(n=total).values_list(column, "n")
+        normalize = tracker.spec.normalize
+        return {normalize(key): int(n or 0) for key, n in grouped}
+
+    def estimate(self, *, using: str = DEFAULT_DB_ALIAS) -> int:
+        parent = self.tracker.parent_model
+        if parent is not None:
+            return models.QuerySet(parent, using=using).count()
+        column = self.tracker.key_name
+        return self._rows(using).values(column).distinct().count()
 
 
 class InsertPlan:

@@ -1,7 +1,7 @@
 """Pushes acknowledged later: the committing thread hands its push on and does not wait.
 
 With ``COUNTERS_DEFER_ACKS`` on (the default), :func:`send` hands a
-committed push to a line of the thread's own (:class:`~counters.buffer.line.Line`)
+committed push to a line of the thread's own (:class:`~counters.write.replies.Acks`)
 and returns. The line writes it to Redis:
 
 - at once while the thread serves a request
@@ -52,359 +52,28 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from django.core.signals import setting_changed
 from django.db import connections
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
-from counters.base.exceptions import NotConnected
-from counters.buffer import pushids
-from counters.buffer.intake import PushPlan
-from counters.buffer.line import Line
-from counters.buffer.pushids import PushId, Writer
+from counters.buffer.pushids import PushId
 from counters.buffer.store import Buffer
-from counters.write import exits
+from counters.write import exits, replies
+from counters.write.replies import Acks, Complete, Failed, OnePush, ThreadLines, Waiting
 
 logger = logging.getLogger(__name__)
 
-#: Seconds after which the acknowledging thread reads a reply nobody else has read, and
-#: within which it writes a push no commit wrote.
-ACK_AFTER = 0.05
-#: Pushes a line holds unanswered before its next write reads their replies (in one read).
-MAX_WAITING = 16
 #: Seconds a read waits for the acknowledging thread to complete failed pushes.
 COMPLETE_TIMEOUT = 30.0
-#: The replies of a push of one shard that added its deltas.
-_ADDED = [1]
-
-#: ``complete(deltas, using, push_id, error)``: finish a push that failed with ``error``
-#: (:func:`counters.write.delivery.complete`); it ends ``push_id``.
-Complete = Callable[[Mapping[str, int], str, PushId, BaseException], None]
-
-
-class Waiting:
-    """A push written to a line, waiting for its reply.
-
-    ``writer``: the line's own writer that pushes it (:meth:`Acks.push`), else
-    None (its id was allocated from :mod:`~counters.buffer.pushids`' pool).
-    """
-
-    __slots__ = ("complete", "deltas", "plan", "push_id", "sent_at", "using", "writer")
-
-    def __init__(
-        self,
-        plan: PushPlan,
-        push_id: PushId,
-        deltas: Mapping[str, int],
-        using: str,
-        complete: Complete,
-        writer: Writer | None = None,
-    ) -> None:
-        self.plan = plan
-        self.push_id = push_id
-        self.deltas = deltas
-        self.using = using
-        self.complete = complete
-        self.writer = writer
-        self.sent_at = time.monotonic()
-
-
-class OnePush:
-    """A push of one member written to a line, waiting for its reply; its own plan.
-
-    Most pushes are one counted change of one counter. Such a push is made
-    without a :class:`~counters.buffer.pushids.PushId`, a
-    :class:`~counters.buffer.intake.PushPlan` and a :class:`Waiting`: it is
-    what :class:`Waiting` holds, and what the line reads of a plan (its
-    encoded command, and that it is one call). Its push id, its deltas and
-    its plan are made when they are needed: when its reply is not 1, or it
-    failed.
-    """
-
-    __slots__ = (
-        "buffer",
-        "complete",
-        "delta",
-        "member",
-        "sent_at",
-        "seq",
-        "using",
-        "wire",
-        "writer",
-    )
-
-    #: What the line reads of :attr:`PushPlan.calls <counters.buffer.intake.PushPlan.calls>`:
-    #: one call (its command is :attr:`wire`).
-    calls = ((),)
-
-    def __init__(
-        self,
-        buffer: Buffer,
-        wire: bytes,
-        writer: Writer,
-        seq: int,
-        member: str,
-        delta: int,
-        using: str,
-        complete: Complete,
-    ) -> None:
-        self.buffer = buffer
-        self.wire = wire
-        self.writer = writer
-        self.seq = seq
-        self.member = member
-        self.delta = delta
-        self.using = using
-        self.complete = complete
-        self.sent_at = time.monotonic()
-
-    @property
-    def push_id(self) -> PushId:
-        return self.writer.push_id(self.seq)
-
-    @property
-    def deltas(self) -> dict[str, int]:
-        return {self.member: self.delta}
-
-    @property
-    def plan(self) -> PushPlan:
-        return self.buffer.plan_push(self.deltas, self.push_id)
-
-    def check(self, replies: list) -> None:
-        """:meth:`PushPlan.check <counters.buffer.intake.PushPlan.check>` of its replies."""
-        self.plan.check(replies)
-
-
-Failed = tuple[Waiting | OnePush, BaseException]
-
-
-class Acks:
-    """One thread's line to the buffer of one database, and the pushes waiting on it.
-
-    The line has writers of its own (:class:`~counters.buffer.pushids.Writer`),
-    kept under its lock, which its sends and reads hold anyway: one per push
-    waiting, each with one push in flight, as for the process's pool. A writer
-    whose push is answered applied pushes again; one whose push failed is
-    dropped, whatever its completion finds (a writer retired after a push that
-    resolved costs only a new writer id).
-    """
-
-    def __init__(self, buffer: Buffer, using: str) -> None:
-        self.buffer = buffer
-        self.using = using
-        self.line = Line(buffer)
-        self.owner = threading.current_thread()
-        self.lock = threading.Lock()
-        self.waiting: deque[Waiting | OnePush] = deque()
-        #: The line's writers with no push in flight.
-        self.writers: list[Writer] = []
-        #: The route kept for the thread's usual pushes (:func:`keep_route`): the epoch it
-        #: holds in (-1: none), with what :func:`send` was given.
-        self.kept = -1
-        self.kept_complete: Complete | None = None
-        self.kept_batch = 1
-
-    def hand_on(self, deltas: Mapping[str, int], complete: Complete, batch: int) -> bool:
-        """:func:`send` of ``deltas`` under the next push id of a writer of the line. False
-        if never sent.
-
-        The usual push, of one member, is made as a :class:`OnePush`, here: its command
-        encoded at once (:meth:`~counters.buffer.intake.Intake.wire_one`), unless it must
-        be planned (then, as any other, by :meth:`push`).
-        """
-        failed = None
-        if len(deltas) == 1:
-            ((member, delta),) = deltas.items()
-            lock = self.lock
-            lock.acquire()  # (not ``with``: the usual push's lock, at half the cost)
-            try:
-                writers = self.writers
-                writer = writers.pop() if writers else Writer()
-                seq = writer.seq + 1
-                try:
-                    wire = self.buffer.wire_one(member, delta, writer.id, seq)
-                except BaseException:
-                    writers.append(writer)  # never sent, its number never used
-                    raise
-                if wire is None:
-                    writers.append(writer)
-                else:
-                    writer.seq = seq
-                    push = OnePush(
-                        self.buffer, wire, writer, seq, member, delta, self.using, complete
-                    )
-                    failed = self._write(push, push, batch)
-            finally:
-                lock.release()
-        if failed is None:
-            failed = self.push(deltas, complete, batch)
-            if failed is None:
-                return False  # never sent: the caller waits on its push
-        state = _state
-        if failed or state.thread is None or state.sleeping:
-            _handed_on(failed)
-        return True
-
-    def push(
-        self, deltas: Mapping[str, int], complete: Complete, batch: int = 1
-    ) -> list[Failed] | None:
-        """Write the push of ``deltas`` under the next push id of a writer of the line, as
-        :meth:`send`; None if it must be waited on instead (nothing to push, or a member
-        too large for a score: :meth:`~counters.buffer.store.Buffer.plan_push`)."""
-        with self.lock:
-            writers = self.writers
-            writer = writers.pop() if writers else Writer()
-            push_id = writer.next_push_id()
-            try:
-                plan = self.buffer.plan_push(deltas, push_id)
-            except BaseException:
-                writers.append(writer)  # never sent: its next number follows this one
-                raise
-            if not plan.calls or plan.refused:
-                writers.append(writer)
-                return None
-            push = Waiting(plan, push_id, deltas, self.using, complete, writer)
-            return self._write(push, plan, batch)
-
-    def send(self, push: Waiting, batch: int = 1) -> list[Failed]:
-        """Hand ``push`` to the line; the failed pushes (of the replies read, if any were).
-
-        The line writes it at once while the thread serves a request or
-        ``batch`` is 1, else once ``batch`` pushes wait to be written or the
-        oldest of them is ``ACK_AFTER`` old. Before it writes, the replies of
-        the pushes written before are read, once ``MAX_WAITING`` are waiting
-        or the oldest is ``ACK_AFTER`` old.
-
-        ``push`` is among the failed ones if it could not be handed on (with
-        :class:`~counters.base.exceptions.NotConnected` if it never left).
-        """
-        with self.lock:
-            return self._write(push, push.plan, batch)
-
-    def _write(self, push: Waiting | OnePush, plan: PushPlan | OnePush, batch: int) -> list[Failed]:
-        if batch > 1 and not _state.local.serving:
-            return self._take(push, plan, batch)
-        waiting = self.waiting
-        try:
-            self.line.send(plan)  # type: ignore[arg-type]  # a OnePush is its own plan
-        except Exception as exc:
-            return [*self._broken(exc), (push, exc)]
-        waiting.append(push)
-        if len(waiting) < MAX_WAITING and waiting[0].sent_at > push.sent_at - ACK_AFTER:
-            return []
-        return self._settle(keep=1)  # the replies before it, arrived by now: one read
-
-    def _take(self, push: Waiting | OnePush, plan: PushPlan | OnePush, batch: int) -> list[Failed]:
-        """:meth:`_write` of a thread that batches its writes (``batch`` above 1)."""
-        line, waiting = self.line, self.waiting
-        try:
-            line.send(plan, now=False)  # type: ignore[arg-type]
-        except Exception as exc:
-            return [*self._broken(exc), (push, exc)]
-        waiting.append(push)
-        queued = line.queued
-        too_old = push.sent_at - ACK_AFTER
-        if queued < batch and waiting[-queued].sent_at > too_old:
-            return []
-        failed: list[Failed] = []
-        written = len(waiting) - queued
-        if written >= MAX_WAITING or (written and waiting[0].sent_at <= too_old):
-            failed = self._settle(keep=queued)  # written before: arrived by now, one read
-        return self._write_queued(failed)
-
-    def _write_queued(self, failed: list[Failed]) -> list[Failed]:
-        """Write the pushes the line holds unwritten; ``failed`` and, if the line broke, all
-        the pushes waiting."""
-        try:
-            self.line.write()
-        except Exception as exc:
-            failed.extend(self._broken(exc))
-        return failed
-
-    def settle(self, older_than: float | None = None) -> list[Failed]:
-        """Read the replies of the pushes waiting, writing those not written yet first.
-
-        ``older_than``: read only those written and handed on before it, then
-        write the rest (the acknowledging thread's round: their replies wait
-        for its next one).
-        """
-        with self.lock:
-            if older_than is None:
-                return self._settle(keep=0)
-            return self._write_queued(self._settle(keep=self.line.queued, older_than=older_than))
-
-    def _settle(self, keep: int, older_than: float | None = None) -> list[Failed]:
-        failed: list[Failed] = []
-        waiting, line, writers = self.waiting, self.line, self.writers
-        if older_than is None and len(waiting) > keep:
-            # The usual replies, arrived by now: each push of one shard added. Taken in one
-            # pass; the rest (another reply, or one not arrived yet) are read one by one.
-            wanted = len(waiting) - keep
-            taken = line.receive_added(wanted)
-            for _ in range(taken):
-                push = waiting.popleft()
-                if push.writer is not None:
-                    writers.append(push.writer)
-                else:
-                    pushids.release(push.push_id)
-            if taken == wanted:
-                return failed
-        while len(waiting) > keep:
-            push = waiting[0]
-            if older_than is not None and push.sent_at > older_than:
-                break
-            try:
-                plan, replies = line.receive()
-                waiting.popleft()
-                if replies != _ADDED:  # not a one-shard push added: what it means
-                    plan.check(replies)
-            except Exception as exc:
-                if waiting and waiting[0] is push:
-                    waiting.popleft()
-                failed.append((push, exc))
-                if line.broken:  # the rest were written too, and may have run
-                    failed.extend(self._broken(exc))
-                continue
-            if push.writer is not None:
-                writers.append(push.writer)
-            else:
-                pushids.release(push.push_id)
-        return failed
-
-    def _broken(self, exc: BaseException) -> list[Failed]:
-        """The pushes written on a line that broke, none of them answered: each may have run."""
-        self.line.abandon()
-        if isinstance(exc, NotConnected):  # that one never left; those before it did
-            exc = RedisConnectionError(f"the line closed before their replies were read: {exc}")
-        broken = [(push, exc) for push in self.waiting]
-        self.waiting.clear()
-        return broken
-
-    def idle(self) -> bool:
-        return not self.waiting
-
-    def writer_count(self) -> int:
-        """The line's writers: with no push in flight, and with one."""
-        with self.lock:
-            return len(self.writers) + sum(push.writer is not None for push in self.waiting)
-
-
-class _Local(threading.local):
-    """A thread's own: its lines (database alias -> :class:`Acks`), whether it serves a
-    request."""
-
-    def __init__(self) -> None:
-        self.lines: dict[str, Acks] = {}
-        self.serving = False
 
 
 class _State:
     """This process's lines, and its acknowledging thread."""
 
     def __init__(self) -> None:
-        self.local = _Local()
+        self.local = ThreadLines()
         #: A route kept in an epoch holds until the epoch moves on (:func:`keep_route`,
         #: :func:`forget_routes`).
         self.epoch = 0
@@ -472,25 +141,26 @@ def send(
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
     if push_id is None:
-        return _acks_of_thread(using, buffer).hand_on(deltas, complete, batch)
+        return _handed_on(_acks_of_thread(using, buffer).hand_on(deltas, complete, batch))
     plan = buffer.plan_push(deltas, push_id)
     if not plan.calls or plan.refused:
         return False
-    failed = _acks_of_thread(using, buffer).send(
-        Waiting(plan, push_id, deltas, using, complete), batch
+    return _handed_on(
+        _acks_of_thread(using, buffer).send(Waiting(plan, push_id, deltas, using, complete), batch)
     )
+
+
+def _handed_on(failed: list[Failed] | None) -> bool:
+    """After a push was handed to a line: False if it was never sent; else complete the
+    ``failed`` pushes of the replies read, and have the acknowledging thread running."""
+    if failed is None:
+        return False
     state = _state
     if failed or state.thread is None or state.sleeping:
-        _handed_on(failed)
+        if failed:
+            _finish(failed)
+        _ensure_thread()
     return True
-
-
-def _handed_on(failed: list[Failed]) -> None:
-    """After a push was handed to a line: complete the ``failed`` pushes of the replies
-    read, and have the acknowledging thread running."""
-    if failed:
-        _finish(failed)
-    _ensure_thread()
 
 
 def route_epoch() -> int:
@@ -532,7 +202,8 @@ def send_kept(deltas: Mapping[str, int], using: str) -> bool:
     acks = state.local.lines.get(using)
     if acks is None or acks.kept != state.epoch:
         return False
-    return acks.hand_on(deltas, acks.kept_complete, acks.kept_batch)  # type: ignore[arg-type]
+    failed = acks.hand_on(deltas, acks.kept_complete, acks.kept_batch)  # type: ignore[arg-type]
+    return _handed_on(failed)
 
 
 def acknowledge(using: str | None = None) -> None:
@@ -565,7 +236,7 @@ def _acks_of_thread(using: str, buffer: Buffer) -> Acks:
     if acks is None or acks.buffer is not buffer:  # new, or the settings changed
         if acks is not None:
             _finish(acks.settle())
-        acks = lines[using] = Acks(buffer, using)
+        acks = lines[using] = Acks(buffer, using, _state.local)
         with _state.lock:
             _state.all.append(acks)
         if not _state.hooked:
@@ -636,7 +307,7 @@ def _run() -> None:
                         state.wake.wait()
                     idle_rounds = 0
                 else:
-                    state.wake.wait(ACK_AFTER)
+                    state.wake.wait(replies.ACK_AFTER)
             handed = list(state.handed)
             state.handed.clear()
             state.completing += len(handed)
@@ -654,7 +325,7 @@ def _read_late() -> bool:
 
     True while some push is waiting.
     """
-    before = time.monotonic() - ACK_AFTER
+    before = time.monotonic() - replies.ACK_AFTER
     busy = False
     for acks in _lines():
         _finish(acks.settle(older_than=before))

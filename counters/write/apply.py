@@ -8,8 +8,8 @@ in every statement, so concurrent appliers queue on each other and never
 deadlock. Deltas whose foreign-key target row is gone are dropped and counted
 (and, for a counter keyed by a natural key, kept: :mod:`counters.write.natural_keys`).
 
-The statements of PostgreSQL and SQLite are in :mod:`counters.write.upsert`,
-those of MySQL and MariaDB in :mod:`counters.write.upsert_mysql` (``ON DUPLICATE
+The statements of PostgreSQL and SQLite are in :mod:`counters.write.upserts.on_conflict`,
+those of MySQL and MariaDB in :mod:`counters.write.upserts.mysql` (``ON DUPLICATE
 KEY UPDATE``); any other database gets the generic applier here.
 """
 
@@ -36,7 +36,9 @@ from counters.base.registry import CounterSpec, get_spec
 from counters.base.utils import LOG_DELTAS, batched, first_line
 from counters.write import natural_keys
 from counters.write.changes import Changes, merge
-from counters.write.upsert import (
+from counters.write.upserts.composite import apply_composite
+from counters.write.upserts.mysql import apply_mysql
+from counters.write.upserts.on_conflict import (
     CHUNK,
     UpdatePlan,
     apply_postgresql,
@@ -44,8 +46,6 @@ from counters.write.upsert import (
     new_value,
     plan_postgresql,
 )
-from counters.write.upsert_composite import apply_composite
-from counters.write.upsert_mysql import apply_mysql
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Prepared(dict[str, int]):
     """A batch's deltas ({member: delta}), with what applying them needs that is not the database's.
 
     :func:`prepare_deltas` groups the members by counter and, on PostgreSQL, builds
-    each counter's batch ``UPDATE`` (:class:`counters.write.upsert.UpdatePlan`).
+    each counter's batch ``UPDATE`` (:class:`counters.write.upserts.on_conflict.UpdatePlan`).
     The flush prepares a batch before it takes its turn at the database, so
     that the turn holds the round trips and little Python.
     :func:`apply_deltas` takes it as any other mapping of deltas. It is the

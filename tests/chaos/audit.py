@@ -15,7 +15,7 @@ Deletions are recorded too, as changes of minus the row's values. A counter
 row deleted with its parent (a ``CASCADE``, in the deleting transaction) is
 not a change to ledger: its key never comes back. A flush that created a row
 whose parent another transaction deleted meanwhile deletes that row again
-and drops its delta (:func:`counters.write.upsert.upsert_postgresql`): its
+and drops its delta (:func:`counters.write.upserts.on_conflict.upsert_postgresql`): its
 insertion and its deletion net to nothing, as its ledger row counts it.
 
 Latency: in flusher connections (``application_name`` ``tally-flusher-*``) a

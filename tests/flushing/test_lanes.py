@@ -14,6 +14,7 @@ import counters
 from counters.base.exceptions import BufferUnavailable
 from counters.client import get_buffer
 from counters.flushing import shard as flusher
+from counters.flushing.lanes import Lanes, flush_buffer
 from counters.models import FlushBatch
 from notifications.models import Notification
 from tests.helpers import assert_exact, stored, truth
@@ -162,7 +163,7 @@ def test_a_lane_closes_its_database_connection(spread, settings):
         pytest.skip("counts the server's sessions")
     ours = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
     lanes = []
-    real = flusher.Lanes._lane_thread
+    real = Lanes._lane_thread
 
     def lane_thread(self, result):
         lanes.append(connections["default"])
@@ -171,7 +172,7 @@ def test_a_lane_closes_its_database_connection(spread, settings):
     with connection.cursor() as cursor:
         cursor.execute(ours)
         (before,) = cursor.fetchone()
-        with mock.patch.object(flusher.Lanes, "_lane_thread", lane_thread):
+        with mock.patch.object(Lanes, "_lane_thread", lane_thread):
             counters.flush()
         [lane] = lanes
         assert lane is not connections["default"]
@@ -240,7 +241,7 @@ def test_a_shard_failing_before_its_lane_queried_the_database_fails_that_shard_o
         return real(buffer, shard, using)
 
     with mock.patch.object(flusher, "check_epoch", check):
-        result = flusher.flush_buffer(get_buffer())
+        result = flush_buffer(get_buffer())
     assert len(failed) == 1
     assert list(result.failed_shards) == failed
     assert "a bug in one shard" in result.failed_shards[failed[0]]

@@ -32,8 +32,8 @@ from counters.base.utils import to_str
 from counters.buffer.store import Buffer
 from counters.client import get_buffer
 from counters.flushing import shard as flusher
+from counters.flushing.lanes import chosen_shards, flush_buffer
 from counters.flushing.result import FlushResult
-from counters.flushing.shard import chosen_shards
 from counters.models import BufferEpoch, FlushBatch
 from counters.ops import fanout
 from counters.ops.fanout import last_run, partition, record_part, run_key
@@ -231,7 +231,7 @@ def test_the_engine_flushes_only_the_shards_it_is_given(make_user):
     users = spread(make_user)
     buffer = get_buffer()
     chosen = {shard_of(users[0]), shard_of(users[1])}
-    result = flusher.flush_buffer(buffer, shards=sorted(chosen))
+    result = flush_buffer(buffer, shards=sorted(chosen))
     inside = [u for u in users if shard_of(u) in chosen]
     outside = [u for u in users if shard_of(u) not in chosen]
     assert outside, "the users must spread over more shards than the two chosen"
@@ -242,7 +242,7 @@ def test_the_engine_flushes_only_the_shards_it_is_given(make_user):
         shard_of(u) for u in outside
     }
     rest = [s for s in range(buffer.shards) if s not in chosen]
-    assert flusher.flush_buffer(buffer, shards=rest).keys == len(outside)
+    assert flush_buffer(buffer, shards=rest).keys == len(outside)
     assert [stored(u) for u in users] == [truth(u) for u in users]
 
 
@@ -252,7 +252,7 @@ def test_the_engine_refuses_a_shard_before_touching_any(make_user):
     spread(make_user, 4)
     buffer = get_buffer()
     with pytest.raises(ValueError, match=r"shards \[16\] are not shards of this buffer"):
-        flusher.flush_buffer(buffer, shards=[0, 16])
+        flush_buffer(buffer, shards=[0, 16])
     assert buffer.inflight_ids() == {}
     assert FlushBatch.objects.count() == 0
 

@@ -25,7 +25,7 @@ from counters.base.exceptions import InvalidKey, TrackingError
 from counters.base.keys import CompositeKey
 from counters.tracking import trackers
 from counters.tracking.refusals import problems
-from counters.write import upsert_composite
+from counters.write.upserts import composite
 from notifications.models import DailyCount, Notification
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
@@ -159,7 +159,7 @@ def test_every_path_counts_each_local_day_exactly(make_user):
 def applier(request, monkeypatch) -> str:
     """The database's own upsert, then the ORM path of other databases."""
     if request.param == "generic":
-        monkeypatch.setattr(upsert_composite, "NATIVE", ())
+        monkeypatch.setattr(composite, "NATIVE", ())
     return request.param
 
 

@@ -26,7 +26,7 @@ from counters.buffer.pushids import PushId
 from counters.client import get_buffer
 from counters.middleware import AcknowledgeMiddleware
 from counters.models import BufferLayout, FlushBatch, Outbox
-from counters.write import acks, delivery, preflight
+from counters.write import acks, delivery, preflight, replies
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, in_redis, stored, truth
 
@@ -72,7 +72,7 @@ def refused_shard(own_redis, user) -> Iterator[None]:
 @pytest.fixture
 def unread_until_asked(monkeypatch):
     """No reply is old enough for the acknowledging thread or the next push to read it."""
-    monkeypatch.setattr(acks, "ACK_AFTER", 3600.0)
+    monkeypatch.setattr(replies, "ACK_AFTER", 3600.0)
 
 
 @pytest.mark.usefixtures("unread_until_asked")
@@ -117,15 +117,15 @@ def test_each_push_is_written_at_commit_and_the_push_that_fills_the_line_reads_b
     make_user,
 ):
     alice = make_user()
-    for i in range(acks.MAX_WAITING - 1):
+    for i in range(replies.MAX_WAITING - 1):
         Notification.objects.create(recipient=alice, verb=str(i))
         assert line_of_thread().line.queued == 0  # written as its COMMIT ended
-    assert waiting() == acks.MAX_WAITING - 1
-    eventually_seen(alice, acks.MAX_WAITING - 1)
+    assert waiting() == replies.MAX_WAITING - 1
+    eventually_seen(alice, replies.MAX_WAITING - 1)
     Notification.objects.create(recipient=alice, verb="full")
     assert waiting() == 1
     acks.acknowledge()
-    assert in_redis(alice) == truth(alice) == acks.MAX_WAITING
+    assert in_redis(alice) == truth(alice) == replies.MAX_WAITING
 
 
 @pytest.mark.usefixtures("unread_until_asked", "batched")
@@ -186,7 +186,7 @@ def test_a_request_writes_each_push_as_it_commits(make_user):
     assert in_redis(alice) == truth(alice) == 4
 
 
-def line_of_thread() -> acks.Acks:
+def line_of_thread() -> replies.Acks:
     (line,) = acks._lines()
     return line
 
@@ -220,7 +220,7 @@ def test_a_push_of_one_member_waits_as_its_own_plan(make_user):
     Notification.objects.create(recipient=alice, verb="one")
     line = line_of_thread()
     (push,) = line.waiting
-    assert type(push) is acks.OnePush
+    assert type(push) is replies.OnePush
     assert line.line.unread[0] is push  # the line holds it as the plan it wrote
     member = f"unread:{alice.pk}"
     assert push.deltas == {member: 1} and push.using == "default"
@@ -250,7 +250,7 @@ def test_a_push_of_several_members_or_of_another_kind_waits_with_its_plan(make_u
     for deltas in pushes:
         assert acks.send(deltas, "default", buffer, acks_complete) is True
     line = line_of_thread()
-    assert [type(push) for push in line.waiting] == [acks.Waiting, acks.Waiting]
+    assert [type(push) for push in line.waiting] == [replies.Waiting, replies.Waiting]
     assert [push.deltas for push in line.waiting] == pushes
     acks.acknowledge()
     assert not line.waiting

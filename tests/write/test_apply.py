@@ -15,7 +15,8 @@ from django.test.utils import CaptureQueriesContext
 
 import counters
 from counters.models import FlushBatch
-from counters.write import apply, upsert
+from counters.write import apply
+from counters.write.upserts import on_conflict
 from notifications.models import Notification, UnreadCounter
 from tests.conftest import has_row_locks, is_postgres
 from tests.helpers import Worker, after_first, assert_exact, stored, truth
@@ -202,13 +203,14 @@ def planner_settings() -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(
-    "distinct", [1, 3, upsert.CASE_DELTAS // 2, upsert.CASE_DELTAS // 2 + 1, upsert.CASE_DELTAS]
+    "distinct",
+    [1, 3, on_conflict.CASE_DELTAS // 2, on_conflict.CASE_DELTAS // 2 + 1, on_conflict.CASE_DELTAS],
 )
 def test_a_batch_adds_each_key_its_own_delta_whatever_their_number(distinct, settings, make_user):
     """Deltas ``-distinct .. -1`` on users whose rows exist, ``1 .. distinct`` on new users:
     ``2 * distinct`` distinct deltas in one batch.
 
-    Up to :data:`~counters.write.upsert.CASE_DELTAS` distinct deltas the
+    Up to :data:`~counters.write.upserts.on_conflict.CASE_DELTAS` distinct deltas the
     UPDATE adds them by ``CASE``; beyond, by a join (on PostgreSQL). Either way
     the users without a row go through the upsert, and every row ends exact.
     """
@@ -230,7 +232,7 @@ def test_a_batch_adds_each_key_its_own_delta_whatever_their_number(distinct, set
     assert (result.batches, result.keys, result.dropped) == (1, 2 * distinct, 0)
     if connection.vendor == "postgresql":
         update = next(q["sql"] for q in queries if f'UPDATE "{COUNTER_TABLE}"' in q["sql"])
-        by_case = distinct * 2 <= upsert.CASE_DELTAS
+        by_case = distinct * 2 <= on_conflict.CASE_DELTAS
         assert ("AS d(k, n)" in update) is not by_case, update  # the join of the deltas
     assert (
         [stored(u) for u in old]
@@ -251,13 +253,13 @@ def test_the_batch_update_scans_the_keys_index_in_key_order_on_a_small_table(mak
     with connection.cursor() as cursor:
         cursor.execute(f'ANALYZE "{COUNTER_TABLE}"')
     spec = counters.get_spec("unread")
-    names = upsert.Names(spec, connection)
+    names = on_conflict.Names(spec, connection)
     keys = sorted(u.pk for u in users)
-    ctes, params = upsert._by_case(names, {1: keys[:1], -1: keys[1:]}, keys, [])
+    ctes, params = on_conflict._by_case(names, {1: keys[:1], -1: keys[1:]}, keys, [])
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(f"EXPLAIN WITH {ctes} SELECT count(*) FROM u", params)
         alone = "\n".join(row[0] for row in cursor.fetchall())
-        cursor.execute(upsert.IN_KEY_ORDER)
+        cursor.execute(on_conflict.IN_KEY_ORDER)
         cursor.execute(f"EXPLAIN WITH {ctes} SELECT count(*) FROM u", params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
         transaction.set_rollback(True)
@@ -287,7 +289,7 @@ def test_a_flush_batch_and_a_direct_write_update_in_key_order(settings, redis_do
     with CaptureQueriesContext(connection) as queries, after_first(update, planner):
         assert counters.flush().keys == 3
     assert seen == [("off", "off")]
-    assert upsert.IN_KEY_ORDER not in [q["sql"] for q in queries]
+    assert on_conflict.IN_KEY_ORDER not in [q["sql"] for q in queries]
     planner()
     assert seen[-1] == ("on", "on")
 
@@ -295,7 +297,7 @@ def test_a_flush_batch_and_a_direct_write_update_in_key_order(settings, redis_do
     with CaptureQueriesContext(connection) as queries, after_first(update, planner):
         Notification.objects.bulk_create([Notification(recipient=u, verb="v") for u in users])
     assert seen[-1] == ("off", "off")
-    assert [q["sql"] for q in queries].count(upsert.IN_KEY_ORDER) == 1
+    assert [q["sql"] for q in queries].count(on_conflict.IN_KEY_ORDER) == 1
     planner()
     assert seen[-1] == ("on", "on")
     assert FlushBatch.objects.filter(kind=FlushBatch.Kind.FALLBACK, keys=3).count() == 1

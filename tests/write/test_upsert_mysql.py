@@ -13,7 +13,7 @@ from counters.base import backends
 from counters.base.registry import get_spec
 from counters.models import Outbox
 from counters.write import outbox
-from counters.write.upsert_mysql import apply_mysql
+from counters.write.upserts.mysql import apply_mysql
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact
 

@@ -19,7 +19,7 @@ from django.db import DataError, connections, models
 from counters.base.keys import KeyCodec
 from counters.base.registry import CounterSpec
 from counters.base.utils import batched, model_field, on_duplicate_key, stamped, target_field
-from counters.write.upsert import capped_keys, new_value
+from counters.write.upserts.on_conflict import capped_keys, new_value
 
 #: Keys per statement (a few parameters each: below every backend's limit).
 ROWS = 500

@@ -42,7 +42,7 @@ from django.db import DataError, IntegrityError, connections, transaction
 
 from counters.base.registry import CounterSpec
 from counters.base.utils import batched, on_duplicate_key
-from counters.write.upsert import CHUNK, Names, prepared
+from counters.write.upserts.on_conflict import CHUNK, Names, prepared
 
 #: ER_DATA_OUT_OF_RANGE ("BIGINT value is out of range") and ER_WARN_DATA_OUT_OF_RANGE.
 OUT_OF_RANGE = (1690, 1264)
