@@ -165,8 +165,9 @@ class Intake(Keyspace):
         self, shard: int, writer: str, keys: tuple[str, ...]
     ) -> tuple[tuple[str, ...], str]:
         """The keys of a push of live members only in ``shard`` by ``writer`` (``keys``, the
-        push's own, and the start of the shard's channels) and the encoded start of such a push of one
-        member (its arguments are those of any push: every member it names is live), kept."""
+        push's own, and the start of the shard's channels) and the encoded start of such a
+        push of one member (its arguments are those of any push: every member it names is
+        live), kept."""
         cache = self._live_keys_cache
         entry = cache.get((shard, writer))
         if entry is None:
