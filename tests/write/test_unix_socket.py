@@ -121,6 +121,7 @@ def test_pushes_by_redis_py_go_over_the_socket_and_flush_exactly(
     alice, bob = make_user(), make_user()
     write(alice, bob)
     assert UnreadCounter.objects.get_counts([alice, bob]) == {alice.pk: 3, bob.pk: 2}
+    counters.drain_queues()  # the sender's queue pushed now (a read adds it, unpushed)
     for user in (alice, bob):
         assert pending_on_the_server(unix_redis, user) == in_redis(user) == truth(user)
     assert fallbacks() == 0
