@@ -112,7 +112,7 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
         if (m != "trigger" or counter_trigger is not None) and (not m.startswith("floor") or floor)
     )
     if not floor:
-        progress("writes: no floor mode: it needs plain Redis over TCP")
+        progress("writes: no floor mode: it needs a plain Redis (TCP or a Unix socket)")
     redis = RedisProbe(buffer.client)
     by_count: dict[str, dict] = {}
     ops = dict.fromkeys(MODES, 0)

@@ -162,7 +162,7 @@ class Totals:
 class Floor:
     """The ``floor`` mode: ``insert(uid)``, then ``INCR <key>:<uid>`` written to Redis's
     socket, its reply read later with the others (every :data:`WINDOW` commands and by
-    :meth:`read_replies`). Plain Redis over TCP only (host and port of the buffer's client).
+    :meth:`read_replies`). Plain Redis only, over TCP or a Unix socket (the buffer's client's).
     """
 
     #: Replies read at once.
@@ -180,9 +180,13 @@ class Floor:
         buffer = get_buffer()
         address = floor_address(buffer.client)
         if address is None:
-            raise BenchError("the floor mode needs plain Redis over TCP (host and port)")
-        sock = socket.create_connection(address)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            raise BenchError("the floor mode needs a plain Redis (TCP or a Unix socket)")
+        if isinstance(address, str):  # a Unix socket
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(address)
+        else:
+            sock = socket.create_connection(address)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock, self.key = sock, floor_prefix(buffer.prefix)
         return sock
 
@@ -382,11 +386,16 @@ class DurableFloor(Floor):
             )
 
 
-def floor_address(client: Any) -> tuple[str, int] | None:
-    """(host, port) of a plain Redis client over TCP; None for a cluster, Sentinel or socket."""
+def floor_address(client: Any) -> tuple[str, int] | str | None:
+    """(host, port) of a plain Redis client over TCP, the path of its Unix socket; None for
+    a cluster or Sentinel."""
     pool = getattr(client, "connection_pool", None)
     kwargs = getattr(pool, "connection_kwargs", {})
-    if "host" not in kwargs or "sentinel" in type(pool).__name__.lower():
+    if "sentinel" in type(pool).__name__.lower():
+        return None
+    if "path" in kwargs:
+        return str(kwargs["path"])
+    if "host" not in kwargs:
         return None
     return str(kwargs["host"]), int(kwargs.get("port", 6379))
 

@@ -158,8 +158,11 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 def _redis_db(url: str, db: int) -> str:
     """``url`` pointing at database ``db`` of the same Redis server (a ``valkey://`` or
-    ``valkeys://`` URL written ``redis://`` or ``rediss://``, which Celery reads)."""
+    ``valkeys://`` URL written ``redis://`` or ``rediss://``, and a ``unix://`` socket
+    ``redis+socket://``, which Celery reads)."""
     parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"redis+socket://{parts.netloc}{parts.path}?virtual_host={db}"
     scheme = {"valkey": "redis", "valkeys": "rediss"}.get(parts.scheme, parts.scheme)
     if scheme not in ("redis", "rediss"):
         return url

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -64,10 +65,18 @@ class RedisServer:
     """
 
     def __init__(
-        self, port: int | None = None, data_dir: Path | None = None, kind: str | None = None
+        self,
+        port: int | None = None,
+        data_dir: Path | None = None,
+        kind: str | None = None,
+        unix_socket: Path | None = None,
     ) -> None:
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        #: With ``unix_socket``, the server listens on that socket alone (no TCP port).
+        self.unix_socket = unix_socket
+        self.port = 0 if unix_socket else port or free_port()
+        self.url = (
+            f"unix://{unix_socket}?db=0" if unix_socket else f"redis://127.0.0.1:{self.port}/0"
+        )
         self.data_dir = data_dir
         self.kind = kind or SERVER
         self.proc: subprocess.Popen | None = None
@@ -78,8 +87,11 @@ class RedisServer:
                 binary("server", self.kind),
                 "--port",
                 str(self.port),
-                "--bind",
-                "127.0.0.1",
+                *(
+                    ["--unixsocket", str(self.unix_socket), "--unixsocketperm", "700"]
+                    if self.unix_socket
+                    else ["--bind", "127.0.0.1"]
+                ),
                 "--save",
                 "",
                 "--appendonly",
@@ -93,7 +105,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        client = self.client(socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -106,9 +118,11 @@ class RedisServer:
         client.close()
         return self
 
-    def client(self) -> redis.Redis:
+    def client(self, **options: Any) -> redis.Redis:
         """A plain client of this server (the caller closes it)."""
-        return redis.Redis(port=self.port)
+        if self.unix_socket:
+            return redis.Redis(unix_socket_path=str(self.unix_socket), **options)
+        return redis.Redis(port=self.port, **options)
 
     def limit_memory(self, maxmemory: int, policy: str = "noeviction") -> None:
         """``CONFIG SET maxmemory`` (bytes) and ``maxmemory-policy``: 0 lifts the limit."""
@@ -152,7 +166,7 @@ class RedisServer:
         """``SAVE`` an RDB snapshot now and keep a copy of it at ``path``."""
         if self.data_dir is None:
             raise RuntimeError("this server has no data_dir to save to")
-        client = redis.Redis(port=self.port)
+        client = self.client()
         try:
             client.save()
         finally:

@@ -65,7 +65,9 @@ def mysql_storage(alias: str, conn: Any) -> str | None:
     """
     if conn.vendor != "mysql":
         return None
-    engine = conn.features._mysql_storage_engine
+    with conn.cursor() as cursor:  # the session's value: OPTIONS['init_command'] may set it
+        cursor.execute("SELECT @@default_storage_engine")
+        engine = cursor.fetchone()[0]
     if engine == "InnoDB":
         return None
     return (

@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import threading
-from asyncio import _get_running_loop
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any, TypeVar, cast, overload
 
-from django.db import connections, models
-from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db import models
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -15,26 +12,6 @@ V = TypeVar("V")
 
 #: Most deltas a log line shows.
 LOG_DELTAS = 20
-
-
-def connection_of(using: str) -> BaseDatabaseWrapper:
-    """``connections[using]``, read straight from the thread's storage when no event loop
-    runs in this thread.
-
-    That is where Django's handler keeps a sync thread's connections (an asgiref
-    ``Local`` over a ``threading.local``), and the handler's own lookup costs a
-    raised and caught ``RuntimeError`` each time (asgiref asks for the running
-    loop). A counted write makes one per change. Elsewhere (a running loop, a
-    connection not made yet in this thread, another layout of those internals)
-    it is ``connections[using]``.
-    """
-    if _get_running_loop() is None:
-        storage = getattr(getattr(connections, "_connections", None), "_storage", None)
-        if type(storage) is threading.local:
-            conn = storage.__dict__.get(using)
-            if conn is not None:
-                return conn
-    return connections[using]
 
 
 def batched(iterable: Iterable[T], size: int) -> Iterator[list[T]]:

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
 
 from redis import Redis
-from redis._parsers import Encoder
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.commands.core import Script
@@ -117,7 +116,8 @@ class ClusterClient:
         self.urls = node_urls(url)
         self._cluster: RedisCluster | None = None
         self._lock = threading.Lock()
-        self._encoder = Encoder("utf-8", "strict", False)
+        # How redis-py encodes a script into bytes (for its sha), without connecting.
+        self._encoder = ConnectionPool().get_encoder()
 
     def cluster(self) -> RedisCluster:
         """The RedisCluster, made now if need be; NotConnected if no node answers."""
@@ -157,7 +157,8 @@ class ClusterClient:
             return _reraised(attribute)
         return attribute
 
-    def get_encoder(self) -> Encoder:
+    def get_encoder(self) -> Any:
+        """The encoder redis-py's ``Script`` asks the client for (UTF-8)."""
         return self._encoder
 
     def register_script(self, script: ScriptTextT) -> Script:

@@ -32,11 +32,11 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from django.db import DatabaseError, NotSupportedError, models, router, transaction
+from django.db import DatabaseError, NotSupportedError, connections, models, router, transaction
 from django.dispatch import Signal
 
 from counters.base.context import already_counted, is_paused
-from counters.base.utils import concrete_model, connection_of
+from counters.base.utils import concrete_model
 from counters.tracking.deletes import UNKNOWN, deleted_row
 from counters.tracking.rows import Row, instance_row, locked_rows, plain, read_rows, with_related
 from counters.tracking.trackers import (
@@ -117,7 +117,7 @@ def read_before_parents(
         and concrete_model(type(obj)) is model
         and trackers_for(model)
         and (update_fields is None or touches(model, update_fields))
-        and connection_of(using).in_atomic_block
+        and connections[using].in_atomic_block
     ):
         found = locked_rows(plain(model, using).filter(pk=obj.pk))
         if found:
@@ -202,9 +202,9 @@ def counted_write(
         new = _new_row(obj, model, using, update_fields, before["row"] if updated else None)
         count(model, [before["row"] if updated else None], [new], using)
         return updated
-    if (may_update or _has_expression(obj) or _has_related(model)) and not connection_of(
+    if (may_update or _has_expression(obj) or _has_related(model)) and not connections[
         using
-    ).in_atomic_block:
+    ].in_atomic_block:
         with transaction.atomic(using=using):
             return _write_and_count(obj, model, write, using, update_fields, may_update)
     return _write_and_count(obj, model, write, using, update_fields, may_update)

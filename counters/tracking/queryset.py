@@ -45,7 +45,7 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
 
     def update(self, **kwargs: Any) -> int:
         if not is_paused() and middle_touched(self.model, kwargs):
-            cast(Any, self)._not_support_combined_queries("update")
+            _refuse_combined(self, "update")
             if self.query.is_sliced:
                 raise TypeError("Cannot update a query once a slice has been taken.")
             using = self._write_db()
@@ -71,7 +71,7 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
         relatives = touched_relatives(model, kwargs)
         if not relatives and not touches(model, kwargs):
             return super().update(**kwargs)
-        cast(Any, self)._not_support_combined_queries("update")
+        _refuse_combined(self, "update")
         if self.query.is_sliced:
             raise TypeError("Cannot update a query once a slice has been taken.")
         using = self._write_db()
@@ -110,7 +110,7 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
         model = self.model
         if is_paused() or not trackers_for(model):
             return super().delete()
-        cast(Any, self)._not_support_combined_queries("delete")
+        _refuse_combined(self, "delete")
         if self.query.is_sliced:
             raise TypeError("Cannot use 'limit' or 'offset' with delete().")
         if self.query.distinct_fields:
@@ -259,3 +259,12 @@ def _updated(
 
 class CountedManager(models.Manager.from_queryset(CountedQuerySet)):  # type: ignore[misc]
     """The default manager of a tracked model: its querysets are :class:`CountedQuerySet`."""
+
+
+def _refuse_combined(qs: models.QuerySet[Any, Any], method: str) -> None:
+    """Refuse ``method`` on a combined query (``union()`` and the like), as Django does."""
+    combinator = qs.query.combinator
+    if combinator:
+        raise NotSupportedError(
+            f"Calling QuerySet.{method}() after {combinator}() is not supported."
+        )

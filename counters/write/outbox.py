@@ -39,7 +39,6 @@ from django.db.models import Count, Min, Q
 from django.utils import timezone
 
 from counters.base import backends, conf
-from counters.base.utils import connection_of
 from counters.buffer.store import PUSH_MARKER_TTL_MS, Buffer
 from counters.client import get_buffer
 from counters.models import Outbox
@@ -63,7 +62,7 @@ _inserts: dict[tuple[str, str], str] = {}
 
 def write(deltas: Mapping[str, int], using: str, push_id: str) -> None:
     """Insert the outbox row of ``deltas`` under ``push_id`` on the current transaction."""
-    conn = connection_of(using)
+    conn = connections[using]
     table = _table()
     sql = _inserts.get((conn.vendor, table))
     if sql is None:

@@ -44,10 +44,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
-from counters.base.utils import connection_of
 from counters.buffer.pushids import PushId
 
 logger = logging.getLogger(__name__)
@@ -110,6 +109,8 @@ class _Transaction:
         self.send: Sender | None = None
         self.durable: Durable | None = None
         self.callback_queued = False
+        #: The savepoints (tokens) open when the ``on_commit`` callback was queued.
+        self.callback_context: tuple[int, ...] = ()
 
     def record(self, deltas: Mapping[str, int], send: Sender, durable: Durable | None) -> None:
         context = tuple(token for _, token in self.open)
@@ -134,7 +135,10 @@ class _Transaction:
         if token is None:
             # Opened before this connection was followed, so before every delta held here.
             self.by_context.clear()
+            self.callback_queued = False
             return
+        if token in self.callback_context:  # Django dropped the callback with the savepoint
+            self.callback_queued = False
         index = next(i for i, (_, t) in enumerate(self.open) if t == token)
         del self.open[index + 1 :]  # savepoints opened after it are gone too
         for context in [c for c in self.by_context if token in c]:
@@ -158,6 +162,7 @@ class _Transaction:
         self.send = None
         self.durable = None
         self.callback_queued = False
+        self.callback_context = ()
 
 
 def _state(conn: BaseDatabaseWrapper) -> _Transaction:
@@ -296,11 +301,9 @@ def record(
     the check of durable mode: the thread's kept route, which exists only
     while ``send`` would take it (durable mode off).
     """
-    conn = connection_of(using)
+    conn = connections[using]
     in_atomic = conn.in_atomic_block
-    # ``autocommit`` is what get_autocommit() returns once connected, without its checks
-    connected = conn.connection is not None
-    if not in_atomic and (conn.autocommit if connected else conn.get_autocommit()):
+    if not in_atomic and conn.get_autocommit():
         if kept is not None and kept(deltas, using):
             return
         if durable is not None and durable.enabled():
@@ -311,9 +314,21 @@ def record(
     state = _state(conn)
     state.record(deltas, send, durable)
     if in_atomic and not state.callback_queued:
-        state.callback_queued = True
-        # No savepoint ids: rolled-back savepoints are handled by ``state``.
-        conn.run_on_commit.append((set(), lambda: _deliver(conn, state), True))  # type: ignore[arg-type]  # robust
+        _queue_callback(conn, state)
+
+
+def _queue_callback(conn: BaseDatabaseWrapper, state: _Transaction) -> None:
+    """Queue the robust ``on_commit`` callback that sends ``state``'s deltas where no real
+    COMMIT happens but the callbacks run; the savepoints open now are its context.
+
+    Django drops a callback when a savepoint open at its ``on_commit()`` is rolled
+    back, with every delta recorded since (the callback is queued at the first one):
+    :meth:`_Transaction.rolled_back` then clears ``callback_queued``, and the next
+    delta recorded queues it again.
+    """
+    state.callback_queued = True
+    state.callback_context = tuple(token for _, token in state.open)
+    transaction.on_commit(lambda: _deliver(conn, state), using=conn.alias, robust=True)
 
 
 def unsent(members: Iterable[str], using: str = DEFAULT_DB_ALIAS) -> dict[str, int]:

@@ -92,10 +92,15 @@ def test_mysql_must_run_at_read_committed(databases, options, expected):
 
 @pytest.mark.django_db
 @pytest.mark.skipif("connection.vendor != 'mysql'", reason="reads MySQL's storage engine")
-def test_mysql_tables_must_be_innodb(monkeypatch):
+def test_mysql_tables_must_be_innodb():
     assert checks.check_databases(databases=["default"]) == []
-    monkeypatch.setattr(connection.features, "_mysql_storage_engine", "MyISAM")
-    [error] = checks.check_databases(databases=["default"])
+    with connection.cursor() as cursor:  # what OPTIONS['init_command'] would set
+        cursor.execute("SET SESSION default_storage_engine = MyISAM")
+    try:
+        [error] = checks.check_databases(databases=["default"])
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION default_storage_engine = InnoDB")
     assert error.id == "counters.E092"
     assert error.msg == (
         "database 'default' creates its tables with the MyISAM storage engine: the counters "

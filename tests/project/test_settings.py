@@ -24,3 +24,8 @@ def test_broker_url_without_a_database_number_gets_one():
 
 def test_non_redis_broker_is_left_alone():
     assert _redis_db("amqp://guest@127.0.0.1//", 1) == "amqp://guest@127.0.0.1//"
+
+
+def test_a_unix_socket_broker_is_database_1_of_the_same_socket():
+    url = _redis_db("unix:///run/redis/redis.sock?db=0", 1)
+    assert url == "redis+socket:///run/redis/redis.sock?virtual_host=1"

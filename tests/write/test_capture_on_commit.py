@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.db import transaction
@@ -26,3 +28,20 @@ class CaptureOnCommitTest(TestCase):
         self.assertEqual(len(callbacks), 2)
         self.assertEqual(counters.get_buffer().snapshot([member]).pending[member], 2)
         self.assertEqual(UnreadCounter.objects.get_count(user), 2)
+
+    def test_a_rolled_back_savepoint_leaves_the_changes_made_after_it_sent(self) -> None:
+        user = get_user_model().objects.create(username="after-rollback")
+        member = f"unread:{user.pk}"
+        with self.captureOnCommitCallbacks(execute=True):
+            # The first counted change, in a savepoint rolled back: Django drops the
+            # callbacks registered inside it.
+            with contextlib.suppress(RuntimeError), transaction.atomic():
+                Notification.objects.create(recipient=user, verb="rolled back")
+                raise RuntimeError("roll back")
+            Notification.objects.create(recipient=user, verb="kept")
+            with transaction.atomic():
+                Notification.objects.create(recipient=user, verb="kept, in a savepoint")
+        truth = Notification.objects.filter(recipient=user, is_read=False).count()
+        self.assertEqual(truth, 2)
+        self.assertEqual(counters.get_buffer().snapshot([member]).pending[member], truth)
+        self.assertEqual(UnreadCounter.objects.get_count(user), truth)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from contextlib import suppress
-from typing import Any
 
+from django.core.management.base import OutputWrapper
 from redis import RedisError
 
 from counters.buffer.store import Buffer
@@ -23,7 +23,9 @@ WATCH_EVERY = 0.25
 class Progress:
     """A bar on a terminal; elsewhere a line every 10% (``lines``) or nothing."""
 
-    def __init__(self, stream: Any, tty: bool, *, noun: str = "counters", lines: bool = True):
+    def __init__(
+        self, stream: OutputWrapper, tty: bool, *, noun: str = "counters", lines: bool = True
+    ):
         self.stream = stream
         self.tty = tty
         self.noun = noun
@@ -35,18 +37,26 @@ class Progress:
         fraction = done / total if total else 1.0
         if self.tty:
             filled = int(fraction * 30)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {self.noun}")
+            self._write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{total} {self.noun}")
             self.stream.flush()
             self.drawn = True
         elif self.lines and (fraction >= self.next_step or done == total):
-            self.stream.write(f"checked {done}/{total} {self.noun} ({fraction:.0%})\n")
+            self._write(f"checked {done}/{total} {self.noun} ({fraction:.0%})\n")
             self.stream.flush()
             while self.next_step <= fraction:
                 self.next_step += 0.1
 
     def close(self) -> None:
         if self.tty and self.drawn:
-            self.stream.write("\n")
+            self._write("\n")
+
+    def _write(self, text: str) -> None:
+        """``text`` as it is: no line ending added, not styled as an error."""
+        self.stream.write(text, style_func=_plain, ending="")
+
+
+def _plain(text: str) -> str:
+    return text
 
 
 def backlog(buffers: Iterable[Buffer]) -> int:

@@ -75,7 +75,7 @@ class Command(OneLineFailures):
         tty = not options["json"] and self.stderr.isatty()
         try:
             for name in aliases:
-                progress = Progress(self.stderr._out, tty, noun="keys", lines=False)
+                progress = Progress(self.stderr, tty, noun="keys", lines=False)
                 try:
                     results[name] = audit(name, names=names, slice_size=size, progress=progress)
                 finally:

@@ -85,7 +85,7 @@ class Command(OneLineFailures):
             return nullcontext()
         aliases = [alias] if alias is not None else flushed_databases()
         buffers = list({b.prefix: b for b in map(get_buffer, aliases)}.values())
-        return BacklogWatch(buffers, Progress(self.stderr._out, True, noun="keys applied"))
+        return BacklogWatch(buffers, Progress(self.stderr, True, noun="keys applied"))
 
     def handle(self, *args, **options) -> None:
         budget = options["time_budget"]

@@ -113,7 +113,7 @@ class Command(OneLineFailures):
         names = self.counter_names(options)
         keys = options["keys"]
         full = not options["dry_run"] and keys is None and not options.get("names")
-        progress = None if options["json"] else Progress(self.stderr._out, sys.stderr.isatty())
+        progress = None if options["json"] else Progress(self.stderr, sys.stderr.isatty())
         needed = None
         try:
             if full:
