@@ -16,7 +16,7 @@ from django.db import transaction
 import counters
 from counters.buffer.connections import UnixConnection
 from counters.models import FlushBatch
-from counters.write import acks
+from counters.write import acks, replies
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, in_redis, stored, truth
 from tests.redis_server import RedisServer
@@ -77,7 +77,7 @@ def deferred(settings, monkeypatch):
     """Acknowledgements deferred (the default), in a process state of this test's own; replies
     read when asked, so the pushes are seen waiting on the line."""
     monkeypatch.setattr(acks, "_state", acks._State())
-    monkeypatch.setattr(acks, "ACK_AFTER", 3600.0)
+    monkeypatch.setattr(replies, "ACK_AFTER", 3600.0)
     settings.COUNTERS_DEFER_ACKS = True
     yield
     acks.acknowledge()
