@@ -48,6 +48,8 @@ class BenchConfig:
     idem_pushes: int = 100_000
     idem_threads: int = 4
     quick: bool = False
+    #: Write modes to measure (``--modes``); empty: :data:`benchmarks.writers.DEFAULT_MODES`.
+    modes: tuple[str, ...] = ()
 
     @classmethod
     def full(cls, **overrides: Any) -> BenchConfig:
@@ -79,6 +81,12 @@ class BenchConfig:
             quick=True,
         )
         return replace(small, **overrides)
+
+    def write_modes(self) -> tuple[str, ...]:
+        """The write modes to measure, in the order of :data:`benchmarks.writers.MODES`."""
+        from .writers import DEFAULT_MODES, MODES
+
+        return tuple(m for m in MODES if m in self.modes) if self.modes else DEFAULT_MODES
 
     def writer_counts(self) -> tuple[int, ...]:
         """The writer counts to measure, smallest first."""

@@ -8,7 +8,7 @@ ran with, not what the bench meant to set.
 from __future__ import annotations
 
 #: Modes that count through Tally's write path (the others push nothing of Tally's).
-TALLY_MODES = ("tally", "durable", "sender", "batched", "waited")
+TALLY_MODES = ("tally", "durable", "sender", "batched", "waited", "live", "watched")
 #: How the modes of no Tally setting reach Redis.
 OTHER_MODES = {
     "off": "no push",
@@ -36,4 +36,5 @@ def push_setting(mode: str) -> str:
         text = f"off: one push per commit, COUNTERS_WRITE_BATCH {conf.write_batch()} a write"
     else:
         text = "off: one push per commit"
-    return text + ("; outbox row per commit" if conf.durable() else "")
+    text += "; outbox row per commit" if conf.durable() else ""
+    return text + ("; live: each push publishes its member" if mode in ("live", "watched") else "")

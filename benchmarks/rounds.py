@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import statistics
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .probes import Cost, CostProbe, RedisUsage
 from .trigger import CounterTrigger
-from .writers import WORKLOADS, WriterPool, percentile
+from .watchers import Watcher
+from .writers import LIVE_MODES, WORKLOADS, WriterPool, percentile
 
 #: Modes whose EVALSHA calls are shown (Redis's CPU is sampled in every run of every mode).
-SAMPLED = ("tally", "sender", "batched", "floor_push")
+SAMPLED = ("tally", "sender", "batched", "floor_push", "live", "watched")
 #: Ratios of ops/s, each the median of its per-round ratios: (numerator, denominator).
 RATIOS = (
     ("tally", "off"),
@@ -38,6 +39,8 @@ RATIOS = (
     ("tally", "floor_push"),
     ("floor_durable", "off"),
     ("durable", "floor_durable"),
+    ("live", "tally"),
+    ("watched", "tally"),
 )
 
 
@@ -49,6 +52,8 @@ class Probes:
     costs: CostProbe
     #: The trigger of the ``trigger`` mode, installed around each of its runs.
     trigger: CounterTrigger | None = None
+    #: The process that watches every key written, started around each ``watched`` run.
+    watcher: Watcher | None = None
 
 
 @dataclass
@@ -58,6 +63,8 @@ class Kept:
     rates: list[float]
     cost: Cost
     redis: RedisUsage
+    #: Per recorded run: writer CPU µs and Redis CPU µs per insert (None: not sampled).
+    runs: list[tuple[float, float | None]] = field(default_factory=list)
 
 
 def run_once(
@@ -67,11 +74,15 @@ def run_once(
 
     ``kept`` (None for warm-up runs) receives the rate, the cost and the Redis usage.
     """
-    installed: AbstractContextManager[None] = nullcontext()
+    installed: AbstractContextManager[object] = nullcontext()
     if mode == "trigger":
         if probes.trigger is None:
             raise ValueError("the trigger mode needs the trigger")
         installed = probes.trigger.counting()
+    elif mode == "watched":
+        if probes.watcher is None:
+            raise ValueError("the watched mode needs the watcher")
+        installed = probes.watcher
     with installed:
         before = probes.costs.sample()
         totals = pool.run(mode, workload, seconds, record=kept is not None)
@@ -79,8 +90,12 @@ def run_once(
         if kept is not None:
             kept.rates.append(totals.rate)
             kept.cost.add(totals.ops, totals.cpu_s, before, after)
-            if mode in SAMPLED and before.redis is not None and after.redis is not None:
-                kept.redis.add(before.redis, after.redis, totals.ops)
+            redis = None
+            if before.redis is not None and after.redis is not None:
+                redis = (after.redis.cpu_s - before.redis.cpu_s) * 1e6 / max(totals.ops, 1)
+                if mode in SAMPLED:
+                    kept.redis.add(before.redis, after.redis, totals.ops)
+            kept.runs.append((totals.cpu_s * 1e6 / max(totals.ops, 1), redis))
     return totals.rate
 
 
@@ -143,6 +158,30 @@ def _figures(
                 usage = kept[(workload, other)].redis.figures()
                 figures.update({f"{other}_{k}": v for k, v in usage.items()})
     figures["rounds"] = {mode: [round(v, 1) for v in values] for mode, values in rates.items()}
+    if "tally" in modes and any(m in modes for m in LIVE_MODES):
+        figures.update(_live(modes, {m: kept[(workload, m)].runs for m in modes}))
+    return figures
+
+
+def _live(modes: tuple[str, ...], runs: dict[str, list[tuple[float, float | None]]]) -> dict:
+    """What a live counter adds to ``tally``, per insert: every round's writer CPU and Redis
+    CPU of ``tally`` and the live modes, and the median of each round's difference."""
+    figures: dict = {}
+    shown = ("tally", *(m for m in LIVE_MODES if m in modes))
+    for mode in shown:
+        figures[f"{mode}_writer_cpu_rounds"] = [round(w, 1) for w, _ in runs[mode]]
+        figures[f"{mode}_redis_cpu_rounds"] = [
+            None if r is None else round(r, 1) for _, r in runs[mode]
+        ]
+    for mode in shown[1:]:
+        pairs = list(zip(runs[mode], runs["tally"], strict=True))
+        figures[f"{mode}_added_writer_cpu_us"] = round(
+            statistics.median(w - t for (w, _), (t, _) in pairs), 1
+        )
+        redis = [(r, t) for (_, r), (_, t) in pairs if r is not None and t is not None]
+        figures[f"{mode}_added_redis_cpu_us"] = (
+            round(statistics.median(r - t for r, t in redis), 1) if redis else None
+        )
     return figures
 
 

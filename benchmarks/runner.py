@@ -31,6 +31,7 @@ from .config import BenchConfig
 from .errors import BenchError
 from .internals import Buffer, RedisClient, conf
 from .probes import BackendCpu, CostProbe, RedisProbe
+from .watchers import Watcher, channels
 from .writers import (
     MODES,
     WriterPool,
@@ -62,6 +63,7 @@ def _writes_at(
     redis: RedisProbe,
     counter_trigger: trigger.CounterTrigger | None,
     progress: Callable[[str], None],
+    watcher: Watcher | None = None,
 ) -> tuple[dict, WriterPool]:
     """The writes with ``processes`` writers: the figures, and the (closed) pool."""
     from django.db import connection
@@ -83,7 +85,7 @@ def _writes_at(
         backend = BackendCpu(pool.backend_pids, connection.settings_dict.get("HOST") or "")
         if backend.reason is not None:
             progress(f"writes: backend CPU n/a: {backend.reason}")
-        probes = rounds.Probes(CostProbe(backend, redis), counter_trigger)
+        probes = rounds.Probes(CostProbe(backend, redis), counter_trigger, watcher)
         result = rounds.measure(pool, modes, config.rounds, config.seconds, config.warmup, probes)
     finally:
         pool.close()
@@ -97,38 +99,64 @@ def _writes_at(
 
 def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> dict:
     """The writes at each writer count; the figures of the largest at the top level."""
-    skipped = trigger.unsupported()
+    wanted = config.write_modes()
+    skipped = trigger.unsupported() if "trigger" in wanted else None
     counter_trigger = None
-    if skipped is None:
+    if skipped is None and "trigger" in wanted:
         counter_trigger = trigger.CounterTrigger(buffer.prefix, users[: config.spread_users])
         for name in trigger.drop_leftovers():
             progress(f"writes: dropped trigger {name}, left by a bench killed during its run")
-    else:
+    elif skipped is not None:
         progress(f"writes: {skipped}")
     floor = floor_address(buffer.client) is not None
+    watcher = _watcher(config, buffer, users) if "watched" in wanted else None
     modes = tuple(
         m
-        for m in MODES
-        if (m != "trigger" or counter_trigger is not None) and (not m.startswith("floor") or floor)
+        for m in wanted
+        if (m != "trigger" or counter_trigger is not None)
+        and (not m.startswith("floor") or floor)
+        and (m != "watched" or watcher is not None)
     )
-    if not floor:
+    if not floor and any(m.startswith("floor") for m in wanted):
         progress("writes: no floor mode: it needs a plain Redis (TCP or a Unix socket)")
+    if "watched" in wanted and watcher is None:
+        progress("writes: no watched mode: its watcher needs one Redis server, not a cluster")
+    if not modes:
+        raise BenchError(f"none of the write modes {','.join(wanted)} can run here")
     redis = RedisProbe(buffer.client)
     by_count: dict[str, dict] = {}
     ops = dict.fromkeys(MODES, 0)
     for processes in config.writer_counts():
         figures, pool = _writes_at(
-            processes, config, users, modes, redis, counter_trigger, progress
+            processes, config, users, modes, redis, counter_trigger, progress, watcher
         )
         by_count[str(processes)] = figures
         ops = {mode: n + pool.ops[mode] for mode, n in ops.items()}
     result = dict(by_count[str(max(config.writer_counts()))])
     result["by_processes"] = by_count
+    result["modes"] = list(modes)
     _checks(result, buffer, ops, counter_trigger, skipped)
-    if floor:
+    if watcher is not None and "watched" in modes:
+        # every insert of the mode was watched: its watcher got one message per insert
+        result["watched_ops"] = ops["watched"]
+        result["watched_messages"] = watcher.messages
+    if floor and "floor_push" in modes:
         _push_floor_check(result, buffer, ops["floor_push"])
+    if floor and ("floor" in modes or "floor_durable" in modes):
         _floor_check(result, buffer, ops["floor"] + ops["floor_durable"])
     return result
+
+
+def _watcher(config: BenchConfig, buffer: Buffer, users: list[int]) -> Watcher | None:
+    """The watched mode's watcher of every key the writers write; None on a Redis Cluster."""
+    from notifications.apps import UNREAD_COUNTER
+
+    from .internals import ClusterClient
+
+    if isinstance(buffer.client, ClusterClient):
+        return None
+    keys = channels(buffer.prefix, buffer.shards, UNREAD_COUNTER, users[: config.spread_users])
+    return Watcher(conf.redis_url(), buffer.client, keys)
 
 
 def _push_floor_check(result: dict, buffer: Buffer, ops: int) -> None:
@@ -170,7 +198,7 @@ def _checks(
     from .internals import clear_landed
 
     pending = pending_total(buffer)
-    result["tally_ops"] = ops["tally"] + ops["waited"] + ops["batched"]
+    result["tally_ops"] = sum(ops[m] for m in ("tally", "waited", "batched", "live", "watched"))
     result["durable_ops"] = ops["durable"] + ops["sender"]
     result["tally_pending_deltas"] = pending
     cleared = 0
@@ -179,12 +207,13 @@ def _checks(
     result["outbox_rows_applied"] = cleared
     result["outbox_rows_left"] = Outbox.objects.count()
     result["tally_deltas_match"] = (
-        pending == sum(ops[m] for m in ("tally", "durable", "sender", "batched", "waited"))
+        pending == result["tally_ops"] + result["durable_ops"]
         and cleared == ops["durable"]  # one row per durable insert, its push applied
         and result["outbox_rows_left"] == 0
     )
     if counter_trigger is None:
-        result["trigger_skipped"] = skipped
+        if skipped is not None:
+            result["trigger_skipped"] = skipped
         return
     result["trigger_ops"] = ops["trigger"]
     result["trigger_counted_rows"] = counter_trigger.rows

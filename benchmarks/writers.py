@@ -37,6 +37,13 @@ Modes:
   of the same shape as Tally's (its own statement, committed before the push),
   then the send of ``floor`` (:func:`durable_floor`). Its rows are deleted after
   each run, outside its time.
+- ``live``: ``tally`` with the unread counter live (in every other mode it is not):
+  each push also publishes the member on its channel, which nobody watches;
+- ``watched``: ``live`` with every key the writers write watched by a process of
+  its own (:mod:`benchmarks.watchers`), so each push's message is delivered.
+
+``live`` and ``watched`` run only when asked for (``--modes``); :data:`DEFAULT_MODES`
+are the others.
 
 Each writer is a spawned process with its own database connection and Redis
 client, set up once and then driven over a pipe: every run starts at the same
@@ -78,7 +85,13 @@ MODES = (
     "floor",
     "floor_push",
     "floor_durable",
+    "live",
+    "watched",
 )
+#: Modes of a live unread counter: only these publish its changes.
+LIVE_MODES = ("live", "watched")
+#: Modes measured unless ``--modes`` names others.
+DEFAULT_MODES = tuple(m for m in MODES if m not in LIVE_MODES)
 #: Modes whose operation is a :class:`Floor`: begun before each of their runs, finished
 #: after every run.
 FLOOR_MODES = ("floor", "floor_push", "floor_durable")
@@ -461,6 +474,8 @@ def operations() -> dict[str, Callable[[int], None]]:
         "sender": tally,
         "batched": tally,
         "waited": tally,
+        "live": tally,
+        "watched": tally,
     }
 
 

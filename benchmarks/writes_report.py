@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from .writers import MODES
+from .writers import LIVE_MODES, MODES
 
 WORKLOADS = ("spread", "hot")
 #: Write modes beside off / naive / trigger / tally, each shown as its ratio to off and to tally.
-EXTRA_MODES = ("durable", "sender", "batched", "waited", "floor")
+EXTRA_MODES = ("durable", "sender", "batched", "waited", "floor", "live", "watched")
 #: Columns of the cost table: every mode of the writers.
 COST_MODES = MODES
 COSTS = (
@@ -39,6 +39,14 @@ def writes_table(w: dict, cfg: dict) -> list[str]:
     lines += _extra(w, by_count)
     lines += _floor(by_count)
     lines += _costs(by_count)
+    lines += _live(by_count)
+    if "watched_ops" in w:
+        every = "yes" if w["watched_messages"] == w["watched_ops"] else "NO"
+        lines += [
+            "",
+            f"watched: {w['watched_ops']:,} inserts, {w['watched_messages']:,} messages "
+            f"received by the watcher; one per insert: {every}",
+        ]
     if "trigger_skipped" in w:
         lines += ["", f"note: {w['trigger_skipped']}"]
     elif "trigger_ops" in w:
@@ -112,8 +120,9 @@ def _extra(w: dict, by_count: dict) -> list[str]:
                 )
                 lines.append(
                     f"{count:<6}{name:<9}{mode:<9}{r[f'{mode}_ops_per_s']:>8.0f}"
-                    f"{r[f'{mode}_off']:>7.2f}{r[f'{mode}_tally']:>8.2f}"
-                    f"  {r.get(f'{mode}_p50_ms', 0):>6.2f}/{r.get(f'{mode}_p99_ms', 0):<6.2f}"
+                    + _get(r, f"{mode}_off", 7, 2)
+                    + _get(r, f"{mode}_tally", 8, 2)
+                    + f"  {r.get(f'{mode}_p50_ms', 0):>6.2f}/{r.get(f'{mode}_p99_ms', 0):<6.2f}"
                     f"{server}"
                 )
     return lines
@@ -150,6 +159,35 @@ def _floor(by_count: dict) -> list[str]:
                 + _get(r, "batched_trigger", 16, 2)
                 + _get(r, "batched_floor", 14, 2)
             )
+    return lines
+
+
+def _live(by_count: dict) -> list[str]:
+    """What a live counter adds to ``tally`` per insert, every round and the medians."""
+    first = next(iter(by_count.values()))["hot"]
+    modes = [m for m in LIVE_MODES if f"{m}_added_writer_cpu_us" in first]
+    if not modes:
+        return []
+    lines = [
+        "",
+        "live counter: live: the unread counter live (in every other mode it is not), its "
+        "keys unwatched; watched: every key written watched by one process of the bench's. "
+        "Per insert, every round in order, then added to tally: the median of "
+        "each round's difference (µs)",
+    ]
+    for count, result in by_count.items():
+        for name in WORKLOADS:
+            r = result[name]
+            for label, figure in (("writer CPU", "writer_cpu"), ("Redis CPU", "redis_cpu")):
+                for mode in ("tally", *modes):
+                    runs = " ".join(_num(v, 7, 1) for v in r[f"{mode}_{figure}_rounds"])
+                    lines.append(f"{count:<6}{name:<9}{label:<11}{mode:<8}{runs}")
+            added = "  ".join(
+                f"{m} writer {_num(r[f'{m}_added_writer_cpu_us'], 0, 1)} "
+                f"Redis {_num(r[f'{m}_added_redis_cpu_us'], 0, 1)}"
+                for m in modes
+            )
+            lines.append(f"{count:<6}{name:<9}added to tally: {added}")
     return lines
 
 

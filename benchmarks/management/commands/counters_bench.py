@@ -16,12 +16,14 @@ from redis import RedisError
 import counters
 from benchmarks.config import SECTIONS, BenchConfig
 from benchmarks.internals import first_line
+from benchmarks.writers import DEFAULT_MODES, MODES
 
 
 class Command(BaseCommand):
     help = (
         "Benchmark notification writes with no counter, a naive counter, a PostgreSQL trigger "
-        "and Tally, with the writer CPU, backend CPU, WAL and Redis CPU of each insert and "
+        "and Tally (its counter live, watched or not, with --modes), with the writer CPU, "
+        "backend CPU, WAL and Redis CPU of each insert and "
         "each mode's merged-push setting; "
         "the flush against raw SQL; the flush with 1, 2 and 4 flushers; get_count against "
         "COUNT(*); the flusher's memory; the Redis memory of idempotency, old scheme against new."
@@ -73,6 +75,13 @@ class Command(BaseCommand):
             help="The Redis is a Redis Cluster (sets COUNTERS_REDIS_CLUSTER for the run).",
         )
         parser.add_argument(
+            "--modes",
+            default=None,
+            help=f"Comma-separated write modes of the writes section, from {','.join(MODES)} "
+            f"(default: {','.join(DEFAULT_MODES)}; live and watched: a live counter, its keys "
+            "unwatched or watched by a process of the bench's).",
+        )
+        parser.add_argument(
             "--sections",
             default=",".join(SECTIONS),
             help=f"Comma-separated subset of {','.join(SECTIONS)} (default: all).",
@@ -104,6 +113,8 @@ class Command(BaseCommand):
             overrides["idem_pushes"] = options["pushes"]
         if options["flush_workers"] is not None:
             overrides["parallel_workers"] = self._workers(options["flush_workers"])
+        if options["modes"] is not None:
+            overrides["modes"] = self._modes(options["modes"])
         if options["quick"]:
             return BenchConfig.quick_run(**overrides)
         return BenchConfig.full(**overrides)
@@ -132,6 +143,13 @@ class Command(BaseCommand):
                 f"--flush-workers takes comma-separated numbers of at least 1, got {raw!r}"
             )
         return tuple(counts)
+
+    def _modes(self, raw: str) -> tuple[str, ...]:
+        names = [n.strip() for n in raw.split(",") if n.strip()]
+        unknown = [n for n in names if n not in MODES]
+        if unknown or not names:
+            raise CommandError(f"--modes takes names from {','.join(MODES)}, got {raw!r}")
+        return tuple(m for m in MODES if m in names)
 
     def _sections(self, raw: str) -> tuple[str, ...]:
         names = [n.strip() for n in raw.split(",") if n.strip()]
