@@ -205,10 +205,7 @@ def _confirm_quiet(
                 break
             marks.mark(members.values())
             time.sleep(window)
-            counts: dict[str, int | None] = {}
-            again, moved = _drifts(
-                spec, list(members), using, lambda: counts.update(marks.counts(members.values()))
-            )
+            again, moved, counts = _marked_reading(spec, members, marks, using)
             confirmed = {}
             for key, member in list(members.items()):
                 if key not in moved and key not in again:
@@ -217,19 +214,38 @@ def _confirm_quiet(
                 drift = None if key in moved else again[key]
                 before, seen = last.get(key, (None, None))
                 last[key] = (drift, counts.get(member))
-                if drift and before and seen is not None and seen == last[key][1]:
-                    if (before.stored + before.pending, before.truth) == (
-                        drift.stored + drift.pending,
-                        drift.truth,
-                    ):
-                        confirmed[key] = before
-                        del members[key]
+                quiet = seen is not None and seen == counts.get(member)
+                if quiet and before is not None and drift is not None and _same(before, drift):
+                    confirmed[key] = before
+                    del members[key]
             wrong.extend(confirmed.values())
             if confirmed and repair is not None:
                 repair(confirmed)
     finally:
         marks.remove()
     return wrong, list(members)
+
+
+def _marked_reading(
+    spec: CounterSpec, members: dict[Any, str], marks: Marks, using: str
+) -> tuple[dict[Any, Drift], set, dict[str, int | None]]:
+    """:func:`_drifts` of ``members``' keys, and their marks' counts read after the
+    first truth, before the exact value."""
+    counts: dict[str, int | None] = {}
+
+    def read_counts() -> None:
+        counts.update(marks.counts(members.values()))
+
+    again, moved = _drifts(spec, list(members), using, read_counts)
+    return again, moved, counts
+
+
+def _same(before: Drift, drift: Drift) -> bool:
+    """Whether two readings showed the same difference, against the same truth."""
+    return (before.stored + before.pending, before.truth) == (
+        drift.stored + drift.pending,
+        drift.truth,
+    )
 
 
 class Marks:
