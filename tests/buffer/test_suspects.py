@@ -8,7 +8,7 @@ from counters.buffer.store import Buffer
 from counters.client import get_buffer
 from counters.verify.drift import SUSPECTS_TTL_MS, Marks
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("redis_backend")]
 
 
 @pytest.fixture
