@@ -21,11 +21,14 @@ truth, then the marks' counts, then the exact value, then the truth again. A
 difference seen in one reading is confirmed when the next reading, whose
 counts are read at least ``F`` after the first reading's truth, shows the same
 difference and the same counts. Proof: no push touched the key between the
-two readings of the counts, ``F`` apart; every commit made before the first
-reading's second truth had reached Redis ``F`` later, so it was already there
-when the first reading took the exact value, and no commit could be made
-after that truth and pushed before it. So that exact value holds exactly what
-the truth counts, and its difference is real. A key touched in every window
+two readings of the counts. Every commit made before the first reading's
+second truth reached Redis within ``F``, so before the second counts, so
+before the first counts: it is in the first exact value. A commit made after
+the first counts could not be pushed before them, so none was made between
+them and that truth. The first exact value holds exactly what
+the truth counts, and its difference is real. (A commit that reaches the
+database instead, by the fallback, changes the stored value: the second
+reading then shows another difference.) A key touched in every window
 stays unstable until it is quiet. A count that vanished (an expired or a
 removed mark) proves nothing; a mark starts at a random number, so a mark
 set again is never taken for the same one. The marks are removed after.
