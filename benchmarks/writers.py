@@ -294,9 +294,10 @@ class PushFloor(Floor):
         sha = buffer.client.script_load(PUSH_SCRIPT)
         prefix = push_floor_prefix(buffer.prefix)
         shards = [f"{prefix}{{s{n}}}:" for n in range(self.SHARDS)]
-        # EVALSHA, 3 keys, then the push's arguments: ttl, sent_at, max_age, seq, members
+        # EVALSHA, 4 keys, then the push's arguments: ttl, sent_at, max_age, seq, members
         self.heads = [
-            resp("EVALSHA", sha, 3, f"{s}pending", f"{s}w:{self.writer}", f"{s}since")
+            resp("EVALSHA", sha, 4, *(f"{s}{n}" for n in ("pending", f"w:{self.writer}", "since")))
+            + resp(f"{s}suspects")
             + resp(PUSH_MARKER_TTL_MS)
             for s in shards
         ]
@@ -337,7 +338,7 @@ class PushFloor(Floor):
             ((member, delta),) = deltas.items()
             head, d = self.heads[crc32(member.encode()) % self.SHARDS], str(delta)
             self.send(
-                f"*12\r\n{head}${len(sent)}\r\n{sent}\r\n{self.max_age}${len(seq)}\r\n{seq}\r\n"
+                f"*13\r\n{head}${len(sent)}\r\n{sent}\r\n{self.max_age}${len(seq)}\r\n{seq}\r\n"
                 f"${len(member)}\r\n{member}\r\n${len(d)}\r\n{d}\r\n".encode()
             )
             return
@@ -348,7 +349,7 @@ class PushFloor(Floor):
                 f"${len(member)}\r\n{member}\r\n${len(d)}\r\n{d}\r\n"
             )
         commands = (
-            f"*{10 + 2 * len(pairs)}\r\n{self.heads[shard]}${len(sent)}\r\n{sent}\r\n"
+            f"*{11 + 2 * len(pairs)}\r\n{self.heads[shard]}${len(sent)}\r\n{sent}\r\n"
             f"{self.max_age}${len(seq)}\r\n{seq}\r\n{''.join(pairs)}"
             for shard, pairs in shards.items()
         )

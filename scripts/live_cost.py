@@ -137,7 +137,7 @@ def pushes(url: str, calls: int, rounds: int, others: int) -> int:
 
     client = redis.Redis.from_url(url)
     sha = client.script_load((ROOT / "counters/buffer/lua/push.lua").read_text())
-    keys = tuple(f"live-cost:{{s0}}:{name}" for name in ("pending", "w:bench", "since"))
+    keys = tuple(f"live-cost:{{s0}}:{name}" for name in ("pending", "w:bench", "since", "suspects"))
     base = "live-cost:{s0}:live:"
     subscriber = Subscriber(
         url,
@@ -153,7 +153,7 @@ def pushes(url: str, calls: int, rounds: int, others: int) -> int:
             seq += 1
             now = int(time.time() * 1000)
             args = (TTL_MS, now, MAX_AGE_MS, seq, f"unread:{i % SPREAD}", 1)
-            return client.evalsha(sha, 3 + len(extra), *keys, *extra, *args)
+            return client.evalsha(sha, 4 + len(extra), *keys, *extra, *args)
 
         return send
 

@@ -75,7 +75,12 @@ def main() -> int:
     off = ops["off"]
     push_sha = counters.get_buffer()._push.sha
     noop_sha = client.script_load("return 1")
-    keys = ["push-floor:{s1}:pending", "push-floor:{s1}:w:floor", "push-floor:{s1}:since"]
+    keys = [
+        "push-floor:{s1}:pending",
+        "push-floor:{s1}:w:floor",
+        "push-floor:{s1}:since",
+        "push-floor:{s1}:suspects",
+    ]
     seq = itertools.count(1)
     unread = 0
 
@@ -97,7 +102,7 @@ def main() -> int:
         now_ms = int(time.time() * 1000)
         member = f"unread_notifications:{uid}"
         ttl, age = PUSH_MARKER_TTL_MS, PUSH_MAX_AGE_MS
-        return pack(("EVALSHA", sha, 3, *keys, ttl, now_ms, age, next(seq), member, 1))
+        return pack(("EVALSHA", sha, 4, *keys, ttl, now_ms, age, next(seq), member, 1))
 
     hooked = False
 

@@ -66,7 +66,7 @@ def main() -> int:
         return 1
     push = client.script_load((ROOT / "counters/buffer/lua/push.lua").read_text())
     noop = client.script_load("return 1")
-    keys = tuple(f"{PREFIX}:{{s0}}:{name}" for name in ("pending", "w:bench", "since"))
+    keys = tuple(f"{PREFIX}:{{s0}}:{name}" for name in ("pending", "w:bench", "since", "suspects"))
     seq = 0
 
     def push_args(i: int) -> tuple:
@@ -76,8 +76,8 @@ def main() -> int:
 
     modes: dict[str, Callable[[int], object]] = {
         "incr": lambda i: client.incr(f"{PREFIX}:incr"),
-        "evalsha_noop": lambda i: client.evalsha(noop, 3, *push_args(i)),
-        "evalsha_push": lambda i: client.evalsha(push, 3, *push_args(i)),
+        "evalsha_noop": lambda i: client.evalsha(noop, 4, *push_args(i)),
+        "evalsha_push": lambda i: client.evalsha(push, 4, *push_args(i)),
     }
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     try:

@@ -137,7 +137,7 @@ class Intake(Keyspace):
         return encode_one(head, time.time_ns() // 1_000_000, seq, member, delta)
 
     def _push_keys(self, shard: int, writer: str) -> tuple[str, ...]:
-        """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since.
+        """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since, suspects.
 
         Kept per (shard, writer): a process pushes with a few writers (its pool). The same
         tuple each time, so that a :class:`~counters.buffer.line.Line` keeps its encoding.
@@ -157,6 +157,7 @@ class Intake(Keyspace):
             f"{self.prefix}:{{s{shard}}}:pending",
             f"{self.prefix}:{{s{shard}}}:w:{writer}",
             f"{self.prefix}:{{s{shard}}}:since",
+            f"{self.prefix}:{{s{shard}}}:suspects",
         )
         entry = cache[(shard, writer)] = (keys, push_head(self._push.sha, keys))
         return entry

@@ -20,6 +20,8 @@ each script touches one Redis Cluster slot)::
                                        deltas that failed alone, kept until retried or discarded
     <prefix>:{sN}:qsum           ZSET  member -> sum of its quarantined deltas, kept with the
                                        quarantine by the same scripts: reads count it as buffered
+    <prefix>:{sN}:suspects       HASH  member -> pushes that changed it since an audit or
+                                       rebuild marked it (verify/drift.py); short-lived
 
 Per prefix (no hash tag, single-key commands only)::
 
@@ -75,7 +77,7 @@ class Keyspace:
         #: command (:meth:`Intake._push_entry`).
         self._push_keys_cache: dict[tuple[int, str], tuple[tuple[str, ...], str]] = {}
         #: The same for pushes of live members, with the start of their shard's channels as a
-        #: fourth key (:meth:`Intake._live_entry`).
+        #: fifth key (:meth:`Intake._live_entry`).
         self._live_keys_cache: dict[tuple[int, str], tuple[tuple[str, ...], str]] = {}
         # redis-py's ``evalsha()`` inspects its arguments for deprecations on every
         # call, a quarter of a push's client time: a plain client takes the command

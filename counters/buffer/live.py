@@ -67,7 +67,7 @@ def live_calls(
     calls: Sequence[tuple[Sequence[str], list]],
 ) -> list[tuple[Sequence[str], list]]:
     """The push script's calls (one per shard of ``groups``, in its order) with the start of
-    the shard's channels as a fourth key where some members are live: all of them (the
+    the shard's channels as a fifth key where some members are live: all of them (the
     arguments as they are), or some (their pairs first, their number after the four fixed
     arguments). A call without a live member is returned as it is."""
     out: list[tuple[Sequence[str], list]] = []

@@ -83,7 +83,7 @@ def test_the_command_of_a_push_of_one_member_is_encoded_as_hiredis_encodes_it(
         reader = Reader()
         reader.feed(wire)
         parsed = reader.gets()
-        sent_at = int(parsed[7])
+        sent_at = int(parsed[8])
         assert before <= sent_at <= after
         plan = buffer.plan_push({member: delta}, PushId(writer, seq))
         ((keys, args),) = plan.calls

@@ -276,7 +276,7 @@ def test_a_counter_that_is_not_live_cannot_be_watched_and_costs_no_publish(make_
         run(watch)
     buffer = get_buffer()
     plan = buffer.plan_push({f"unread:{alice.pk}": 1, f"unread:{alice.pk + 1}": 1}, "w1:1")
-    assert all(len(keys) == 3 for keys, _ in plan.calls)  # no channel, no count
+    assert all(len(keys) == 4 for keys, _ in plan.calls)  # no channel, no count
     assert buffer.wire_one(f"unread:{alice.pk}", 1, "w1", 2) is not None
     assert buffer._live_keys_cache == {}
 
@@ -317,7 +317,7 @@ def test_a_push_publishes_each_live_member_on_its_own_channel_once_applied(
     deltas = {"other:1": 4, "unread:1": 1, "other:2": -1, "unread:2": -2}
     plan = buffer.plan_push(deltas, "w1:1")
     ((keys, args),) = plan.calls
-    assert keys[3] == live.channel_base(buffer.prefix, 0) == f"{buffer.prefix}:{{s0}}:live:"
+    assert keys[4] == live.channel_base(buffer.prefix, 0) == f"{buffer.prefix}:{{s0}}:live:"
     assert args[4:] == [2, "unread:1", 1, "unread:2", -2, "other:1", 4, "other:2", -1]
     channels = {m: live.channel(buffer.prefix, 0, m) for m in deltas}
     pubsub = redis_client.pubsub()
