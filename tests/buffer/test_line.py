@@ -1,16 +1,14 @@
 """A line encodes each push's command as hiredis does (``Line._packed``), writes pushes
-together, and waits on its socket only when it must."""
+together, and waits for a reply only when it must."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
 import redis
 from hiredis import Reader, pack_command
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
 from counters.buffer.line import HEADS_KEPT, Line
 from counters.buffer.pushids import PushId
@@ -175,70 +173,33 @@ def test_pushes_taken_are_written_together_and_a_read_writes_what_it_needs(real_
         line.close()
 
 
-def test_the_line_socket_is_non_blocking_between_writes(redis_client, real_buffer):
-    line = Line(real_buffer)
+def test_a_reply_not_arrived_yet_is_waited_for_up_to_the_timeout(own_redis, counters_prefix):
+    client = redis.Redis.from_url(own_redis.url, socket_timeout=0.5)
+    buffer = Buffer(client, counters_prefix, shards=4)
+    client.script_load(buffer._push.script)
+    pauser = own_redis.client()
+    line = Line(buffer)
     try:
-        line.send(real_buffer.plan_push({"m:1": 1}, PushId("w-" + "c" * 16, 1)))
-        assert line._sock is not None and line._sock.gettimeout() == 0.0
-        assert line._timeout == redis_client.connection_pool.connection_kwargs["socket_timeout"]
-        assert line.receive()[1] == [1]  # waited for: Redis answers after the write
-        assert line._sock.gettimeout() == 0.0
+        line.send(buffer.plan_push({"p:1": 1}, PushId("w-" + "c" * 16, 1)))
+        assert line.receive()[1] == [1]  # the line is open
+        pauser.execute_command("CLIENT", "PAUSE", 200, "ALL")
+        started = time.monotonic()
+        line.send(buffer.plan_push({"p:1": 1}, PushId("w-" + "c" * 16, 2)))
+        assert line.receive()[1] == [1]  # answered once the pause ends: waited for
+        assert time.monotonic() - started >= 0.15
+        pauser.execute_command("CLIENT", "PAUSE", 2000, "ALL")
+        plan = buffer.plan_push({"p:1": 1}, PushId("w-" + "c" * 16, 3))
+        line.send(plan)
+        started = time.monotonic()
+        with pytest.raises(redis.TimeoutError):
+            line.receive()  # nothing comes within the client's timeout
+        assert time.monotonic() - started >= 0.4
+        assert line.broken and line.abandon() == []  # the push was taken by receive()
+        pauser.execute_command("CLIENT", "UNPAUSE")
     finally:
         line.close()
-
-
-@pytest.fixture
-def pair(line):
-    """A non-blocking socket of the line's own (as a line makes it) and its peer."""
-    ours, peer = socket.socketpair()
-    ours.settimeout(0.0)
-    line._sock, line._timeout, line._reader = ours, 0.5, Reader(replyError=ResponseError)
-    line._write_all = line._sendall
-    yield ours, peer
-    line._sock = None
-    ours.close()
-    peer.close()
-
-
-def later(seconds: float, action) -> threading.Thread:
-    def run() -> None:
-        time.sleep(seconds)
-        action()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
-def test_a_full_socket_buffer_waits_for_room_up_to_the_timeout(line, pair):
-    ours, peer = pair
-    data = bytes(range(256)) * 32768  # 8 MiB: more than the socket buffers hold
-    received = bytearray()
-
-    def drain() -> None:
-        while len(received) < len(data):
-            received.extend(peer.recv(1 << 20))
-
-    reader = later(0.1, drain)
-    line._sendall(ours, data)
-    reader.join()
-    assert received == data and ours.gettimeout() == 0.0
-    started = time.monotonic()
-    with pytest.raises(TimeoutError):
-        line._sendall(ours, data)  # nobody reads: the client's timeout
-    assert time.monotonic() - started >= 0.4
-
-
-def test_a_reply_not_arrived_yet_is_waited_for_up_to_the_timeout(line, pair):
-    ours, peer = pair
-    writer = later(0.1, lambda: peer.sendall(b":1\r\n"))
-    assert line._reply() == 1
-    writer.join()
-    assert ours.gettimeout() == 0.0
-    started = time.monotonic()
-    with pytest.raises(TimeoutError):
-        line._reply()  # nothing comes
-    assert time.monotonic() - started >= 0.4
+        pauser.close()
+        client.close()
 
 
 def written(line: Line, buffer: Buffer, pushes: list[tuple[dict[str, int], int]]) -> None:
@@ -250,17 +211,16 @@ def written(line: Line, buffer: Buffer, pushes: list[tuple[dict[str, int], int]]
         calls += len(plan.calls)
         line.send(plan, now=False)
     line.write()
-    sock = line._sock
-    assert sock is not None
+    arrived(line)
+
+
+def arrived(line: Line) -> None:
+    """Wait until replies have arrived on the line's connection, then a little more: Redis
+    answers the pushes of one write together."""
     deadline = time.monotonic() + 5
-    while True:
-        try:
-            if len(sock.recv(1 << 16, socket.MSG_PEEK)) >= 4 * calls:
-                return
-        except BlockingIOError:
-            pass
+    while not line.connection.can_read(timeout=0.05):
         assert time.monotonic() < deadline, "the replies never arrived"
-        time.sleep(0.005)
+    time.sleep(0.02)
 
 
 @pytest.fixture
@@ -332,34 +292,25 @@ def test_an_error_reply_stops_the_run_and_receive_raises_it(own_redis, counters_
         client.close()
 
 
-def test_a_reply_not_arrived_is_not_waited_for(line, buffer, pair):
-    _, peer = pair
-    line.unread.extend(buffer.plan_push({"m:1": 1}, PushId("w-" + "f" * 16, i)) for i in (1, 2))
-    assert line.receive_added(2) == 0  # nothing arrived: nothing read, nothing waited for
-    peer.sendall(b":1\r\n:")  # the first reply and part of the second
-    assert line.receive_added(2) == 1 and len(line.unread) == 1
-    assert line.receive_added(2) == 0
-    peer.sendall(b"1\r\n")
-    assert line.receive_added(2) == 1 and not line.unread
-
-
-def test_replies_that_arrive_after_part_of_another_are_parsed_as_its_own(line, buffer, pair):
-    _, peer = pair
-    line.unread.extend(buffer.plan_push({"m:1": 1}, PushId("w-" + "e" * 16, i)) for i in (1, 2, 3))
-    peer.sendall(b"*2\r\n")  # the start of a reply that is not a push's code
-    assert line.receive_added(3) == 0
-    peer.sendall(b":1\r\n:1\r\n")  # the rest of it: not the replies of two pushes
-    assert line.receive_added(3) == 0 and len(line.unread) == 3
-    assert line.receive()[1] == [[1, 1]]
-    peer.sendall(b":1\r\n:1\r\n")  # the next two pushes' own
-    assert line.receive_added(3) == 2 and not line.unread
-
-
-def test_replies_taken_from_a_run_leave_the_rest_to_the_reader(line, buffer, pair):
-    _, peer = pair
-    line.unread.extend(buffer.plan_push({"m:1": 1}, PushId("w-" + "c" * 16, i)) for i in (1, 2, 3))
-    peer.sendall(b":1\r\n" * 3)
-    assert line.receive_added(1) == 1 and len(line.unread) == 2
-    assert line._reader.has_data()  # the other two replies, for the next read
-    peer.sendall(b":0\r\n")  # a reply no push of these has: never read
-    assert line.receive_added(5) == 2 and not line.unread
+def test_a_reply_not_arrived_is_not_waited_for(own_redis, counters_prefix):
+    client = redis.Redis.from_url(own_redis.url, socket_timeout=5)
+    buffer = Buffer(client, counters_prefix, shards=4)
+    client.script_load(buffer._push.script)
+    pauser = own_redis.client()
+    line = Line(buffer)
+    try:
+        written(line, buffer, [({"n:1": 1}, 1)])  # the line is open
+        assert line.receive_added(1) == 1
+        pauser.execute_command("CLIENT", "PAUSE", 300, "ALL")
+        for seq in (2, 3):
+            line.send(buffer.plan_push({"n:1": 1}, PushId("w-" + "f" * 16, seq)))
+        started = time.monotonic()
+        assert line.receive_added(2) == 0  # nothing arrived: nothing read, nothing waited for
+        assert time.monotonic() - started < 0.1 and len(line.unread) == 2
+        arrived(line)  # once the pause ends
+        assert line.receive_added(2) == 2 and not line.unread
+        assert buffer.snapshot(["n:1"]).pending["n:1"] == 3
+    finally:
+        line.close()
+        pauser.close()
+        client.close()

@@ -29,7 +29,8 @@ SOURCE = ROOT / "counters"
 LIBRARIES = {"django", "asgiref", "redis", "hiredis", "asyncio"}
 #: Private attributes of those libraries, each read once by the app and replaced since:
 #: Django's connection handler (asgiref's storage), its list of on_commit callbacks, its
-#: MySQL feature flag, redis-py's parsers module, asyncio's loop lookup, QuerySet's check.
+#: MySQL feature flag, redis-py's parsers module, asyncio's loop lookup, QuerySet's check,
+#: a redis-py connection's socket.
 DENIED = {
     "_connections",
     "_storage",
@@ -38,6 +39,7 @@ DENIED = {
     "_mysql_storage_engine",
     "_get_running_loop",
     "_not_support_combined_queries",
+    "_sock",
 }
 #: Private attributes read through another object than ``self``: a Django
 #: ``OutputWrapper``'s stream.
@@ -112,6 +114,8 @@ def test_counters_reads_no_private_attribute_of_its_libraries():
         "engine = conn.features._mysql_storage_engine",
         "qs._not_support_combined_queries('update')",
         "Progress(self.stderr._out, True)",
+        "sock = self.connection._sock",
+        "sock = getattr(connection, '_sock')",
     ],
     ids=lambda snippet: snippet.split("(")[0].split(" = ")[-1][:40],
 )
