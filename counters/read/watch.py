@@ -80,9 +80,10 @@ async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGener
     dispatcher = Dispatcher.of(get_buffer(alias))
     event = dispatcher.add(member)
     try:
-        # The first value is read once the member's channel is subscribed to (unless Redis
-        # is slow to answer), so no change falls between the two.
-        await _wait(dispatcher.ready[member], SUBSCRIBE_WAIT_S)
+        # The first value is read once the member's channel is subscribed to, and every node
+        # is (unless Redis is slow to answer): no change falls between the two, and the wake
+        # of every watcher when the last node is subscribed comes before this first read.
+        await _wait_all((dispatcher.ready[member], dispatcher.subscribed), SUBSCRIBE_WAIT_S)
         while True:
             event.clear()  # before the read: a change made during it wakes us again
             try:
@@ -172,6 +173,15 @@ async def _read(name: str, key: Any, using: str) -> int:
 async def _wait(event: asyncio.Event, timeout: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), timeout)
+
+
+async def _wait_all(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    async def every() -> None:
+        for event in events:
+            await event.wait()
+
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(every(), timeout)
 
 
 #: The dispatchers of each event loop, by buffer (client, prefix, shards).
