@@ -45,6 +45,7 @@ from counters.buffer.cluster import ClusterClient
 from counters.buffer.connections import HEALTH_CHECK_INTERVAL
 from counters.buffer.store import Buffer
 from counters.client import get_buffer
+from counters.read.batch import Batched
 from counters.read.subscriber import Node, node_shards, sharded
 from counters.read.values import get_values
 
@@ -117,57 +118,12 @@ def _exact_values(wanted: list[tuple[str, Any, str]]) -> dict[tuple[str, Any, st
         close_old_connections()
 
 
-class Reads:
-    """The reads of one event loop's watchers, batched: one read in the shared pool at a
-    time answers every watcher that asked before it started (those woken together ask in
-    the same turn of the loop; those woken while it runs, by the next read). A stream's
-    request thread, and its database connection, are never held."""
-
-    def __init__(self) -> None:
-        self.waiting: dict[tuple[str, Any, str], list[asyncio.Future[int]]] = {}
-        self.running: asyncio.Task[None] | None = None
-
-    async def get(self, name: str, key: Any, using: str) -> int:
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.waiting.setdefault((name, key, using), []).append(future)
-        if self.running is None:
-            self.running = asyncio.ensure_future(self._run())
-        return await future
-
-    async def _run(self) -> None:
-        try:
-            await asyncio.sleep(0)  # the other watchers woken with this one ask first
-            while self.waiting:
-                waiting, self.waiting = self.waiting, {}
-                await self._answer(waiting)
-        finally:
-            self.running = None
-
-    async def _answer(self, waiting: dict[tuple[str, Any, str], list[asyncio.Future[int]]]) -> None:
-        try:
-            values = await sync_to_async(_exact_values, thread_sensitive=False)(list(waiting))
-        except Exception as exc:
-            for futures in waiting.values():
-                for future in futures:
-                    if not future.done():
-                        future.set_exception(exc)
-            return
-        for wanted, futures in waiting.items():
-            for future in futures:
-                if not future.done():
-                    future.set_result(values[wanted])
-
-
-#: The batched reads of each event loop.
-_reads: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Reads] = weakref.WeakKeyDictionary()
+#: The exact values watchers ask for, read together.
+_reads: Batched[tuple[str, Any, str], int] = Batched(_exact_values)
 
 
 async def _read(name: str, key: Any, using: str) -> int:
-    loop = asyncio.get_running_loop()
-    reads = _reads.get(loop)
-    if reads is None:
-        reads = _reads[loop] = Reads()
-    return await reads.get(name, key, using)
+    return await _reads.get((name, key, using))
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:
