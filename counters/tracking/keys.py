@@ -237,9 +237,7 @@ class CompositeTracker(Tracker):
         key = tuple(part.value(row) for part in self.parts)
         if None in key or not self.condition(row):
             return None
-        if self.amount_field is None:
-            return key, 1
-        return key, row[self.amount_field.attname] or 0
+        return key, self.adds(row)
 
 
 class CompositeTruth:
@@ -289,13 +287,7 @@ class CompositeTruth:
         rows = self._parts(using).filter(
             **{f"{name}__in": sorted({key[i] for key in wanted}) for i, name in enumerate(names)}
         )
-        if tracker.where is not None:
-            rows = rows.filter(tracker.where)
-        if tracker.amount_field is None:
-            total: Any = models.Count("pk")
-        else:
-            total = models.Sum(tracker.amount_field.attname)
-        grouped = rows.order_by().values(*names).annotate(n=total).values_list(*names, "n")
+        grouped = tracker.grouped_totals(rows, names)
         normalize = tracker.spec.normalize
         found = {normalize(tuple(row[:-1])): int(row[-1] or 0) for row in grouped}
         return {key: n for key, n in found.items() if key in wanted}

@@ -82,9 +82,24 @@ class Tracker:
         key = row[self.key_name]
         if key is None or not self.condition(row):
             return None
+        return key, self.adds(row)
+
+    def adds(self, row: Row) -> int:
+        """What a counted row adds: 1, or its amount."""
         if self.amount_field is None:
-            return key, 1
-        return key, row[self.amount_field.attname] or 0
+            return 1
+        return row[self.amount_field.attname] or 0
+
+    def grouped_totals(self, rows: models.QuerySet, columns: list[str]) -> models.QuerySet:
+        """What the counted ones of ``rows`` add up to per value of ``columns``: tuples of
+        the columns' values and their total (the truth, in SQL)."""
+        if self.where is not None:
+            rows = rows.filter(self.where)
+        if self.amount_field is None:
+            total: Any = models.Count("pk")
+        else:
+            total = models.Sum(self.amount_field.attname)
+        return rows.order_by().values(*columns).annotate(n=total).values_list(*columns, "n")
 
     def totals(self, rows: Iterable[Row | None]) -> Counter:
         """What ``rows`` add up to per key (keys normalised: ``"5"`` and ``5`` are one)."""
@@ -172,13 +187,7 @@ class QueryTruth:
         tracker = self.tracker
         column = tracker.key_name
         rows = self._rows(using).filter(**{f"{column}__in": keys})
-        if tracker.where is not None:
-            rows = rows.filter(tracker.where)
-        if tracker.amount_field is None:
-            total: Any = models.Count("pk")
-        else:
-            total = models.Sum(tracker.amount_field.attname)
-        grouped = rows.order_by().values(column).annotate(n=total).values_list(column, "n")
+        grouped = tracker.grouped_totals(rows, [column])
         normalize = tracker.spec.normalize
         return {normalize(key): int(n or 0) for key, n in grouped}
 
