@@ -1,5 +1,10 @@
 """``AcknowledgeMiddleware``: a response leaves once the pushes of its request are acknowledged.
 
+With the sender (``COUNTERS_SEND_DELAY_MS`` > 0) it first pushes the
+process's queue, the request's commits merged with whatever else the process
+committed meanwhile: the deltas of a request reach Redis before its response
+is returned, however long the sender's delay.
+
 With ``COUNTERS_DEFER_ACKS`` on (the default) a committed push is written to
 Redis and its reply read later (:mod:`counters.write.acks`). This middleware
 reads the replies still waiting before the response is returned, so other
@@ -24,11 +29,11 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.http import HttpRequest, HttpResponseBase
 
-from counters.write import acks
+from counters.write import acks, sender
 
 
 class AcknowledgeMiddleware:
-    """Acknowledge this process's waiting pushes before returning each response."""
+    """Push this process's queue and acknowledge its waiting pushes before each response."""
 
     sync_capable = True
     async_capable = True
@@ -48,10 +53,10 @@ class AcknowledgeMiddleware:
             response = self.get_response(request)
         finally:
             acks.serving(False)
-        acks.acknowledge()
+        sender.push_queued()
         return response
 
     async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
         response = await self.get_response(request)
-        await sync_to_async(acks.acknowledge, thread_sensitive=True)()
+        await sync_to_async(sender.push_queued, thread_sensitive=True)()
         return response

@@ -72,5 +72,6 @@ def _connect_celery(celery: ModuleType) -> None:
     celery.worker_shutdown.connect(
         sender.drain_on_signal, dispatch_uid="counters.write.sender.worker"
     )
-    # A task's pushes are acknowledged when it ends (COUNTERS_DEFER_ACKS).
-    celery.task_postrun.connect(acks.task_ended, dispatch_uid="counters.write.acks.task")
+    # A task's commits are pushed (the sender) and acknowledged (COUNTERS_DEFER_ACKS) when
+    # it ends.
+    celery.task_postrun.connect(sender.task_ended, dispatch_uid="counters.write.acks.task")

@@ -114,11 +114,6 @@ def serving(on: bool) -> None:
     _state.local.serving = on
 
 
-def task_ended(**kwargs: object) -> None:
-    """Celery's ``task_postrun``: the task's pushes are acknowledged before its result."""
-    acknowledge()
-
-
 def send(
     deltas: Mapping[str, int],
     using: str,

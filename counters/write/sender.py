@@ -14,6 +14,9 @@ What it trades, and how each guarantee is kept:
   account (:func:`holding`): it waits for a push in progress to finish, keeps
   the thread from starting the next one while it reads, and adds what is
   still queued. Another process sees the deltas up to the delay later.
+- **Read-your-writes in other processes** by the time a response is
+  returned (:class:`~counters.middleware.AcknowledgeMiddleware`) or a Celery
+  task ends: both push the queue first.
 - **Redis down.** A batch goes through :func:`counters.write.delivery.send` like one
   commit: pushed with one idempotent id, or written to the DB directly.
 - **Exit.** The queue is pushed at interpreter exit (``atexit``), at the end
@@ -232,6 +235,12 @@ def push_queued(using: str | None = None) -> None:
         if using is None or sender.using == using:
             sender.push_queue()
     acks.acknowledge(using)
+
+
+def task_ended(**kwargs: object) -> None:
+    """Celery's ``task_postrun``: the task's commits are pushed and acknowledged before its
+    result."""
+    push_queued()
 
 
 def reset() -> None:

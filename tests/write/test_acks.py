@@ -26,7 +26,7 @@ from counters.buffer.pushids import PushId
 from counters.client import get_buffer
 from counters.middleware import AcknowledgeMiddleware
 from counters.models import BufferLayout, FlushBatch, Outbox
-from counters.write import acks, delivery, preflight, replies
+from counters.write import acks, delivery, preflight, replies, sender
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, in_redis, stored, truth
 
@@ -433,7 +433,7 @@ def test_a_process_serving_requests_without_the_middleware_waits_on_its_pushes(m
 def test_a_celery_task_acknowledges_when_it_ends(make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="x")
-    acks.task_ended()
+    sender.task_ended()
     assert waiting() == 0
     assert in_redis(alice) == 1
 

@@ -1,0 +1,81 @@
+"""With the sender, a request's commits reach Redis before its response, a task's before it ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgiref.sync import sync_to_async
+from celery import shared_task
+from django.http import HttpResponse
+from django.test import RequestFactory
+
+from counters.middleware import AcknowledgeMiddleware
+from counters.write import sender
+from notifications.models import Notification
+from tests.helpers import assert_exact, in_redis, truth
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("redis_backend")]
+
+
+@pytest.fixture(autouse=True)
+def delay(settings):
+    """A sender that would hold commits for a second, and push only a batch of 10,000."""
+    settings.COUNTERS_SEND_DELAY_MS = 1000
+    settings.COUNTERS_SEND_BATCH = 10_000
+
+
+def test_a_sync_response_leaves_once_its_commits_are_pushed_in_one_batch(make_user):
+    alice, bob = make_user(), make_user()
+
+    def view(request):
+        for i in range(3):
+            Notification.objects.create(recipient=alice, verb=str(i))
+        Notification.objects.create(recipient=bob, verb="x")
+        assert (in_redis(alice), in_redis(bob)) == (0, 0)  # queued, not pushed
+        return HttpResponse("ok")
+
+    response = AcknowledgeMiddleware(view)(RequestFactory().get("/"))
+    assert response.status_code == 200
+    assert (in_redis(alice), in_redis(bob)) == (truth(alice), truth(bob)) == (3, 1)
+    assert sender._senders["default"].batches == 1  # four commits, one push
+    assert_exact(alice, bob)
+
+
+def test_an_async_response_leaves_once_its_commits_are_pushed(make_user):
+    alice = make_user()
+
+    async def view(request):
+        for i in range(2):
+            await Notification.objects.acreate(recipient=alice, verb=str(i))
+        assert await sync_to_async(in_redis)(alice) == 0
+        return HttpResponse("ok")
+
+    async def serve():
+        return await AcknowledgeMiddleware(view)(RequestFactory().get("/"))
+
+    assert asyncio.run(serve()).status_code == 200
+    assert in_redis(alice) == truth(alice) == 2
+    assert_exact(alice)
+
+
+@shared_task
+def notify_twice(user_id: int) -> int:
+    for verb in ("a", "b"):
+        Notification.objects.create(recipient_id=user_id, verb=verb)
+    return in_redis_of(user_id)
+
+
+def in_redis_of(user_id: int) -> int:
+    from django.contrib.auth import get_user_model
+
+    return in_redis(get_user_model().objects.get(pk=user_id))
+
+
+def test_a_celery_task_pushes_its_commits_when_it_ends(make_user):
+    alice = make_user()
+    result = notify_twice.apply(args=[alice.pk])  # run here, with Celery's task signals
+    assert result.get() == 0  # queued while the task ran
+    assert in_redis(alice) == truth(alice) == 2
+    assert sender._senders["default"].batches == 1
+    assert_exact(alice)
