@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,7 +35,6 @@ from django.db.models.functions import RowNumber
 from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 
 import counters
-from counters.read.batch import Batched
 
 from .api import endpoint, error, serialize
 from .apps import UNREAD_COUNTER
@@ -72,12 +72,57 @@ def newest(user_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
         close_old_connections()
 
 
-#: The newest notifications the streams of an event loop ask for, read by one query for all.
-_newest: Batched[int, list[dict[str, Any]]] = Batched(newest)
+class Newest:
+    """The newest notifications the streams of one event loop ask for, read by one query at
+    a time: it answers every stream that asked before it started (those one change of many
+    counts woke ask in the same turn of the loop; those woken while it runs, by the next)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, list[asyncio.Future[list[dict[str, Any]]]]] = {}
+        self.running: asyncio.Task[None] | None = None
+
+    async def get(self, user_id: int) -> list[dict[str, Any]]:
+        future: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(user_id, []).append(future)
+        if self.running is None:
+            self.running = asyncio.ensure_future(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        try:
+            await asyncio.sleep(0)  # the other streams woken with this one ask first
+            while self.waiting:
+                waiting, self.waiting = self.waiting, {}
+                await self._answer(waiting)
+        finally:
+            self.running = None
+
+    async def _answer(self, waiting: dict[int, list[asyncio.Future[list[dict[str, Any]]]]]) -> None:
+        error_: Exception | None = None
+        found: dict[int, list[dict[str, Any]]] = {}
+        try:
+            found = await sync_to_async(newest, thread_sensitive=False)(list(waiting))
+        except Exception as exc:
+            error_ = exc
+        for user_id, futures in waiting.items():
+            for future in futures:
+                if future.done():
+                    continue
+                if error_ is not None:
+                    future.set_exception(error_)
+                else:
+                    future.set_result(found[user_id])
+
+
+_newest: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Newest] = weakref.WeakKeyDictionary()
 
 
 async def read_newest(user_id: int) -> list[dict[str, Any]]:
-    return await _newest.get(user_id)
+    loop = asyncio.get_running_loop()
+    batch = _newest.get(loop)
+    if batch is None:
+        batch = _newest[loop] = Newest()
+    return await batch.get(user_id)
 
 
 def event(name: str, data: dict[str, Any], event_id: str) -> str:
