@@ -85,7 +85,7 @@ def _write_target(name: str, workload: str, ratio: str, threshold: float, floor:
 TARGETS = (
     _write_target("tally/off", "spread", "tally_off", 0.9, "floor_push_off"),
     _write_target("tally/off", "hot", "tally_off", 0.9, "floor_push_off"),
-    _write_target("tally/trigger", "spread", "tally_trigger", 0.95, "floor_push_trigger"),
+    _write_target("tally/trigger", "spread", "tally_trigger", 1.0, "floor_push_trigger"),
     _write_target("tally/trigger", "hot", "tally_trigger", 1.4, "floor_push_trigger"),
     *(
         Target(
