@@ -42,6 +42,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
+from django.db import connections
+
 from counters.base import conf
 from counters.write import acks, exits
 
@@ -120,7 +122,12 @@ class Sender:
                     if left <= 0:
                         break
                     self._cond.wait(left)
-            self.push_queue()
+            try:
+                self.push_queue()
+            finally:
+                # A batch written to the database (Redis down) opened this thread's own
+                # connection: closed at once, never left to the garbage collector.
+                connections.close_all()
 
     def push_queue(self) -> None:
         """Push what is queued now (after a push in progress), in this thread."""
@@ -189,7 +196,8 @@ def describe_mode() -> dict[str, object]:
         "send_batch": conf.send_batch(),
         "write_batch": None,
         "trades": (
-            f"other processes see a commit up to {delay_ms:g} ms later; a process killed "
+            f"outside a request or a Celery task, other processes see a commit up to "
+            f"{delay_ms:g} ms later; a process killed "
             f"with SIGKILL loses up to {delay_ms:g} ms of its commits until the audit "
             "repairs them"
         ),
