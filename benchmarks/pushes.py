@@ -8,7 +8,7 @@ ran with, not what the bench meant to set.
 from __future__ import annotations
 
 #: Modes that count through Tally's write path (the others push nothing of Tally's).
-TALLY_MODES = ("tally", "durable", "sender", "batched", "waited", "live", "watched")
+TALLY_MODES = ("tally", "per_commit", "durable", "sender", "batched", "waited", "live", "watched")
 #: How the modes of no Tally setting reach Redis.
 OTHER_MODES = {
     "off": "no push",
@@ -28,7 +28,7 @@ def push_setting(mode: str) -> str:
     if mode not in TALLY_MODES:
         return OTHER_MODES.get(mode, "")
     delay = conf.get("COUNTERS_SEND_DELAY_MS") or 0
-    if delay > 0:
+    if delay > 0 and not conf.durable():  # (an outbox row's push never waits in the sender)
         text = f"COUNTERS_SEND_DELAY_MS {delay:g} / COUNTERS_SEND_BATCH {conf.send_batch()}"
     elif not conf.defer_acks():
         text = "off: one push per commit, its reply waited for"

@@ -12,7 +12,7 @@ from .watchers import Watcher
 from .writers import LIVE_MODES, WORKLOADS, WriterPool, percentile
 
 #: Modes whose EVALSHA calls are shown (Redis's CPU is sampled in every run of every mode).
-SAMPLED = ("tally", "sender", "batched", "floor_push", "live", "watched")
+SAMPLED = ("tally", "per_commit", "sender", "batched", "floor_push", "live", "watched")
 #: Ratios of ops/s, each the median of its per-round ratios: (numerator, denominator).
 RATIOS = (
     ("tally", "off"),
@@ -21,6 +21,8 @@ RATIOS = (
     ("tally", "trigger"),
     ("durable", "off"),
     ("durable", "tally"),
+    ("per_commit", "off"),
+    ("tally", "per_commit"),
     ("sender", "off"),
     ("sender", "tally"),
     ("batched", "off"),

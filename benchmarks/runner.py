@@ -198,7 +198,9 @@ def _checks(
     from .internals import clear_landed
 
     pending = pending_total(buffer)
-    result["tally_ops"] = sum(ops[m] for m in ("tally", "waited", "batched", "live", "watched"))
+    result["tally_ops"] = sum(
+        ops[m] for m in ("tally", "per_commit", "waited", "batched", "live", "watched")
+    )
     result["durable_ops"] = ops["durable"] + ops["sender"]
     result["tally_pending_deltas"] = pending
     cleared = 0

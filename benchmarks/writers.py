@@ -8,17 +8,21 @@ Modes:
   recipient's counter row in the same transaction;
 - ``trigger``: the insert of ``off``, with a PostgreSQL trigger installed for
   the run that upserts the recipient's counter row (``benchmarks.trigger``);
-- ``tally``: ``Notification.objects.create()``, the real counted path (the
-  delta goes to Redis after COMMIT), with ``COUNTERS_DURABLE`` off;
+- ``tally``: ``Notification.objects.create()``, the real counted path with the
+  process's own ``COUNTERS_SEND_DELAY_MS`` (above 0, the per-process sender
+  merges the commits of that many milliseconds into one push), ``COUNTERS_DURABLE`` off;
+- ``per_commit``: ``tally`` with ``COUNTERS_SEND_DELAY_MS`` 0: one push after
+  each COMMIT;
 - ``durable``: the same with ``COUNTERS_DURABLE`` on: one outbox row INSERTed
   before the COMMIT (the flush deletes it once its push applied);
 - ``sender``: ``tally`` with the per-process sender on
   (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5 ms by default): a COMMIT queues its
   delta, a thread pushes the queue in one round trip;
-- ``batched``: ``tally`` with ``COUNTERS_WRITE_BATCH`` = 16: outside a request, a
+- ``batched`` and ``waited`` push after each COMMIT, like ``per_commit``:
+- ``batched``: ``per_commit`` with ``COUNTERS_WRITE_BATCH`` = 16: outside a request, a
   writer's pushes are written to Redis 16 at a time (or within 50 ms), which a
   process killed before the write loses until the audit repairs them;
-- ``waited``: ``tally`` with ``COUNTERS_DEFER_ACKS`` off, the write path before
+- ``waited``: ``per_commit`` with ``COUNTERS_DEFER_ACKS`` off, the write path before
   deferred acknowledgements: the committing thread reads each push's reply;
 - ``floor``: the least a buffered counter with Tally's guarantees can do: the
   insert of ``off``, then one pre-encoded ``INCR`` sent to Redis on a socket of
@@ -78,6 +82,7 @@ MODES = (
     "naive",
     "trigger",
     "tally",
+    "per_commit",
     "durable",
     "sender",
     "batched",
@@ -99,8 +104,11 @@ FLOOR_MODES = ("floor", "floor_push", "floor_durable")
 DURABLE = {"tally": False, "durable": True}
 #: Modes that wait for each push's reply after the COMMIT (``COUNTERS_DEFER_ACKS`` off).
 WAITED = {"waited"}
+#: Modes that push after each COMMIT whatever the process's ``COUNTERS_SEND_DELAY_MS``.
+PER_COMMIT = {"per_commit", "batched", "waited"}
 _defer_acks: bool | None = None
 _write_batch: int | None = None
+_send_delay: float | None = None
 
 
 def set_mode(mode: str, send_delay_ms: float) -> None:
@@ -109,22 +117,26 @@ def set_mode(mode: str, send_delay_ms: float) -> None:
     The write path reads its switches once and keeps them until ``setting_changed``,
     so assigning to ``settings`` alone would not reach it. ``COUNTERS_DEFER_ACKS``
     keeps the value the process started with (its setting or environment), except
-    in the modes of :data:`WAITED`, and ``COUNTERS_WRITE_BATCH`` its own, except in
-    ``batched`` (:data:`~benchmarks.config.BATCHED_WRITE`).
+    in the modes of :data:`WAITED`, ``COUNTERS_WRITE_BATCH`` its own, except in
+    ``batched`` (:data:`~benchmarks.config.BATCHED_WRITE`), and ``COUNTERS_SEND_DELAY_MS``
+    its own, except in ``sender`` (``send_delay_ms``) and the modes of :data:`PER_COMMIT` (0).
     """
     from django.conf import settings
     from django.test.signals import setting_changed
 
     from .internals import conf
 
-    global _defer_acks, _write_batch
+    global _defer_acks, _write_batch, _send_delay
     if _defer_acks is None:
         _defer_acks = conf.defer_acks()
     if _write_batch is None:
         _write_batch = conf.write_batch()
+    if _send_delay is None:
+        _send_delay = float(conf.get("COUNTERS_SEND_DELAY_MS") or 0)
+    delay = send_delay_ms if mode == "sender" else 0 if mode in PER_COMMIT else _send_delay
     values = {
         "COUNTERS_DURABLE": DURABLE.get(mode, False),
-        "COUNTERS_SEND_DELAY_MS": send_delay_ms if mode == "sender" else 0,
+        "COUNTERS_SEND_DELAY_MS": delay,
         "COUNTERS_DEFER_ACKS": (_defer_acks and mode not in WAITED) or mode == "batched",
         "COUNTERS_WRITE_BATCH": BATCHED_WRITE if mode == "batched" else _write_batch,
     }
@@ -471,6 +483,7 @@ def operations() -> dict[str, Callable[[int], None]]:
         "naive": naive,
         "trigger": off,
         "tally": tally,
+        "per_commit": tally,
         "durable": tally,
         "sender": tally,
         "batched": tally,

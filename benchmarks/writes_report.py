@@ -6,7 +6,7 @@ from .writers import LIVE_MODES, MODES
 
 WORKLOADS = ("spread", "hot")
 #: Write modes beside off / naive / trigger / tally, each shown as its ratio to off and to tally.
-EXTRA_MODES = ("durable", "sender", "batched", "waited", "floor", "live", "watched")
+EXTRA_MODES = ("per_commit", "durable", "sender", "batched", "waited", "floor", "live", "watched")
 #: Columns of the cost table: every mode of the writers.
 COST_MODES = MODES
 COSTS = (

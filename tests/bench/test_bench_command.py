@@ -29,11 +29,13 @@ POSTGRES = connection.vendor == "postgresql"
 #: The write modes of a run on this database (the trigger needs PostgreSQL).
 MODES = (
     *("off", "naive", *(("trigger",) if POSTGRES else ())),
-    *("tally", "durable", "sender", "batched", "waited", "floor", "floor_push", "floor_durable"),
+    *("tally", "per_commit", "durable", "sender", "batched", "waited"),
+    *("floor", "floor_push", "floor_durable"),
 )
 #: Ratios of a run: those of the trigger on PostgreSQL only.
 RATIOS = (
     *("tally_off", "tally_naive", "durable_off", "durable_tally", "sender_off", "sender_tally"),
+    *("per_commit_off", "tally_per_commit"),
     *("waited_off", "waited_tally", "tally_waited", "floor_off", "floor_tally", "tally_floor"),
     *("floor_durable_off", "durable_floor_durable", "batched_off", "batched_tally"),
     *("batched_floor", "floor_push_off", "tally_floor_push"),
@@ -44,7 +46,8 @@ RATIOS = (
 SERVER_COSTS = ("backend_cpu_us", "wal_bytes")
 #: Modes whose inserts send something to Redis: its CPU per insert is above 0.
 PUSHING = (
-    *("tally", "durable", "sender", "batched", "waited", "floor", "floor_push", "floor_durable"),
+    *("tally", "per_commit", "durable", "sender", "batched", "waited"),
+    *("floor", "floor_push", "floor_durable"),
 )
 FIGURES = [
     ("machine", "nproc"),
@@ -195,6 +198,14 @@ def test_quick_json_trigger_mode_counts_exactly_or_says_why_it_was_skipped(quick
                 assert value is None
 
 
+def tally_setting(per_commit: str) -> str:
+    """The push setting the ``tally`` mode shows: the tests' own ``COUNTERS_SEND_DELAY_MS``."""
+    delay = conf.get("COUNTERS_SEND_DELAY_MS") or 0
+    if delay > 0:
+        return f"COUNTERS_SEND_DELAY_MS {delay:g} / COUNTERS_SEND_BATCH {conf.send_batch()}"
+    return per_commit
+
+
 @pytest.mark.redis
 def test_quick_json_has_the_cost_of_an_insert_and_the_push_setting_of_every_mode(quick_run):
     writes = quick_run[0]["writes"]
@@ -219,10 +230,12 @@ def test_quick_json_has_the_cost_of_an_insert_and_the_push_setting_of_every_mode
                     )
         pushes = result["push_settings"]
         assert sorted(pushes) == sorted(MODES), count
-        # tally and durable push once per commit (their reply read later, or waited for, as
-        # the settings of the run say); the sender queues for --send-delay (5 ms)
+        # tally runs with the delay of the tests' settings; per_commit and durable push once
+        # per commit (their reply read later, or waited for, as the settings of the run say);
+        # the sender queues for --send-delay (5 ms)
         per_commit = "off: one push per commit" + ("" if deferred else ", its reply waited for")
-        assert pushes["tally"] == per_commit
+        assert pushes["tally"] == tally_setting(per_commit)
+        assert pushes["per_commit"] == per_commit
         assert pushes["durable"] == f"{per_commit}; outbox row per commit"
         assert pushes["sender"] == (
             f"COUNTERS_SEND_DELAY_MS 5 / COUNTERS_SEND_BATCH {conf.send_batch()}"
@@ -426,7 +439,8 @@ def test_processes_sweep_prints_one_table_with_a_row_per_count_and_workload(swee
     pushes = lines.index("merged pushes: how each mode's commits reached Redis in its writers")
     shown = dict(line.split(None, 1) for line in lines[pushes + 1 : pushes + 1 + len(MODES)])
     assert sorted(shown) == sorted(MODES)
-    assert shown["tally"].startswith("off: one push per commit")
+    assert shown["tally"].startswith(tally_setting("off: one push per commit"))
+    assert shown["per_commit"].startswith("off: one push per commit")
     assert shown["sender"].startswith("COUNTERS_SEND_DELAY_MS 5 / COUNTERS_SEND_BATCH ")
     if POSTGRES:
         assert any(line.startswith("trigger: ") and line.endswith(": yes") for line in lines)
