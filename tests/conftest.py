@@ -182,6 +182,14 @@ def counters_prefix(settings, suite_redis_url) -> Iterator[str]:
             _delete_prefix(client, prefix)
 
 
+@pytest.fixture
+def per_commit(settings) -> None:
+    """Every COMMIT pushes its own deltas (``COUNTERS_SEND_DELAY_MS = 0``) whatever the
+    default, for the tests of what one commit's push does: its route, its reply, its
+    fallback to the database, its fencing (the per-process sender would merge it)."""
+    settings.COUNTERS_SEND_DELAY_MS = 0
+
+
 @pytest.fixture(autouse=True)
 def live_counters(request, monkeypatch) -> set[str]:
     """The live counters of this test: none, so that the push path's tests keep testing the

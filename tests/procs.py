@@ -58,6 +58,7 @@ def project_env(*, application_name: str | None = None, **extra: str) -> dict[st
         "COUNTERS_REDIS_SENTINEL_SERVICE",
         "COUNTERS_SOCKET_TIMEOUT",
         "COUNTERS_BATCH_SIZE",
+        "COUNTERS_SEND_DELAY_MS",  # a test's own (per_commit: 0), else the processes' default
     ):
         if hasattr(settings, name):
             value = getattr(settings, name)

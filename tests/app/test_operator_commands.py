@@ -88,6 +88,7 @@ def test_the_traceback_of_a_failure_is_in_the_debug_log_only():
 
 
 @pytest.mark.redis
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_status_with_redis_down_shows_the_database_side(settings, make_user):
     alice = make_user()
     settings.COUNTERS_REDIS_URL = REDIS_DOWN
@@ -287,6 +288,7 @@ def wrong_type(settings, make_user):
 
 @pytest.mark.redis
 @pytest.mark.serial
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_wrongtype_reply_is_named_as_an_error_reply_by_the_status(wrong_type):
     out, err = io.StringIO(), io.StringIO()
     with pytest.raises(SystemExit) as info:
@@ -300,6 +302,7 @@ def test_a_wrongtype_reply_is_named_as_an_error_reply_by_the_status(wrong_type):
 
 @pytest.mark.redis
 @pytest.mark.serial
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_wrongtype_reply_is_named_as_an_error_reply_by_the_flush(wrong_type):
     out = io.StringIO()
     with pytest.raises(CommandError) as info:
@@ -316,6 +319,7 @@ def test_a_wrongtype_reply_is_named_as_an_error_reply_by_the_flush(wrong_type):
 
 @pytest.mark.redis
 @pytest.mark.serial
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_after_the_wrong_key_is_gone_the_delta_is_flushed_once(wrong_type):
     alice = wrong_type
     with pytest.raises(CommandError):

@@ -55,6 +55,7 @@ def test_the_audit_draws_its_keys_on_a_terminal_only(users, settings, monkeypatc
     assert json.loads(out.getvalue())["counters"][0]["counter"] == "unread"
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_the_flush_draws_the_keys_it_applied_on_a_terminal_only(users):
     err, out = Terminal(), io.StringIO()
     call_command("counters_flush", stdout=out, stderr=err)

@@ -254,6 +254,7 @@ def test_deltas_of_keys_that_normalise_equal_add_up(make_user):
     ],
 )
 @pytest.mark.parametrize("in_transaction", [False, True], ids=["autocommit", "atomic"])
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_invalid_key_is_refused_at_add_and_buffers_nothing(
     make_user, redis_client, counters_prefix, bad, in_transaction
 ):

@@ -93,6 +93,7 @@ def test_a_master_that_lost_its_scripts_loads_them_again(cluster, make_user):
     assert (stored(alice), stored(bob)) == (2, 1)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_status_and_rebuild_see_every_master(cluster, make_user):
     users = [make_user() for _ in range(12)]
     for i, user in enumerate(users):

@@ -53,6 +53,7 @@ def truth_and_stored() -> tuple[dict[int, int], dict[int, int]]:
     return truth, {pk: rows.get(pk, 0) for pk in truth}
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_full_redis_refuses_pushes_and_is_still_drained_exactly(own_redis, small_batches, caplog):
     assert flags_supported(get_client()), "this Redis must support script flags (Redis 7)"
     users = make_users(USERS)

@@ -262,6 +262,7 @@ def test_a_forked_child_starts_with_an_empty_pool():
         pytest.param(NotConnected("refused"), False, False, id="never-sent"),
     ],
 )
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_push_that_may_have_left_retires_its_writer(buf, error, retired, unsettled):
     direct = []
     with (
@@ -277,6 +278,7 @@ def test_a_push_that_may_have_left_retires_its_writer(buf, error, retired, unset
     assert (pushids.allocate().writer == push_id.writer) is not retired
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_push_completed_by_its_repeat_still_retires_its_writer(buf, client):
     real_push = Buffer.push
     calls = []

@@ -183,6 +183,7 @@ def test_no_sentinel_answering_is_not_connected_and_nothing_was_sent(settings):
 @pytest.mark.redis
 @pytest.mark.redis_sentinel
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_service_no_sentinel_knows_falls_back_to_the_database(
     settings, redis_sentinel_set, make_user
 ):

@@ -117,6 +117,7 @@ def valkey(settings):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_counts_are_exact_on_a_valkey_server(valkey, make_user):
     users = [make_user() for _ in range(3)]
     for i, user in enumerate(users):

@@ -46,6 +46,7 @@ def audited_changes(key: int) -> list[tuple[int, bool]]:
         return cursor.fetchall()
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_row_created_for_a_parent_deleted_meanwhile_nets_to_nothing(
     audited, redis_down_in, make_user
 ):

@@ -117,6 +117,7 @@ def partition(settings) -> Iterator[PartitionProxy]:
         server.stop()
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_push_that_arrives_after_the_fallback_is_not_counted_twice(partition, make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="before")  # connection up, scripts loaded
@@ -133,6 +134,7 @@ def test_a_push_that_arrives_after_the_fallback_is_not_counted_twice(partition, 
     assert (stored(alice), truth(alice)) == (2, 2)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_push_fenced_before_it_arrives_never_applies(partition, make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="before")

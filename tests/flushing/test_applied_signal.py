@@ -178,6 +178,7 @@ def test_inside_an_outer_transaction_it_waits_for_the_commit(make_user, received
     assert stored(alice) == truth(alice) == 1
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_direct_write_sends_what_it_applied(settings, make_user, received):
     alice, bob = make_user(), make_user()
     Notification.objects.notify([alice, bob], verb="v")
@@ -199,6 +200,7 @@ def test_a_direct_write_sends_what_it_applied(settings, make_user, received):
     assert (stored(alice), stored(bob)) == (truth(alice), truth(bob)) == (3, 0)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_raising_receiver_breaks_nothing(make_user, raising, received, caplog, settings):
     users = users_with_changes(make_user)
     received.clear()

@@ -68,6 +68,7 @@ def drift(users) -> dict[int, int]:
     return {u.pk: counts[u.pk] - truth(u) for u in users if counts[u.pk] != truth(u)}
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_failover_to_a_replica_that_missed_a_flush_is_noticed_and_repaired(cluster, make_user):
     buffer = counters.get_buffer()
     users = [make_user() for _ in range(60)]

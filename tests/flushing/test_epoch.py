@@ -61,6 +61,7 @@ def status_json() -> dict:
     return json.loads(out)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_flushall_fails_the_flush_command_and_shows_in_status_until_a_full_rebuild(
     manual, own_redis, make_user
 ):
@@ -211,6 +212,7 @@ def notify(users, times: int) -> None:
 
 @pytest.mark.redis
 @pytest.mark.serial
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_restart_before_the_first_flush_is_a_loss_until_rebuilt(
     four_shards, own_redis, settings, make_user, caplog
 ):

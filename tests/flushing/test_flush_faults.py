@@ -115,6 +115,7 @@ def test_second_flush_of_an_applied_batch_only_acknowledges(users_with_notificat
 
 
 @pytest.mark.skipif(not has_row_locks(), reason="needs row locks between connections")
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_two_appliers_of_one_batch_apply_it_once(make_user):
     """A lease that expired mid-apply: both flushers hold the batch; the ledger lets one win."""
     users = [make_user() for _ in range(3)]

@@ -37,6 +37,7 @@ def test_one_flush_drains_all_pending_in_bounded_batches(one_shard, make_user):
     assert [stored(u) for u in users] == [1] * 30
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_flush_stops_at_what_was_pending_when_it_started(one_shard, make_user):
     users = [make_user() for _ in range(14)]
     Notification.objects.notify(users[:7], verb="v")

@@ -89,6 +89,7 @@ def test_two_lanes_drain_every_shard_exactly_one_apply_at_a_time(spread, setting
 
 
 @pytest.mark.usefixtures("laned")
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_batch_holds_the_turn_for_its_statements_and_commits_after_handing_it_on(make_user):
     """The ledger row and the batch statement run in the turn; the COMMIT beside the next."""
     user = make_user()
@@ -133,6 +134,7 @@ def test_a_batch_holds_the_turn_for_its_statements_and_commits_after_handing_it_
 
 
 @pytest.mark.usefixtures("laned")
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_batch_that_fails_in_its_turn_hands_it_on(make_user):
     user = make_user()
     Notification.objects.create(recipient=user, verb="v")
@@ -222,6 +224,7 @@ def test_a_flush_inside_a_transaction_stays_in_its_thread(spread, settings):
 
 @pytest.mark.usefixtures("laned")
 @pytest.mark.usefixtures("laned")
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_shard_failing_before_its_lane_queried_the_database_fails_that_shard_only(
     spread, settings
 ):

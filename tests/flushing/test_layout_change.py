@@ -71,6 +71,7 @@ def not_drained() -> list[str]:
     return gather(get_buffer())["layouts"]["not_drained"]
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_fewer_shards_the_flush_drains_the_old_ones_and_nothing_repairs_twice(
     sixteen_shards, settings, make_user
 ):
@@ -114,6 +115,7 @@ def env(**extra: str) -> dict[str, str]:
     return project_env(COUNTERS_AUTO_REBUILD="0", **extra)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_new_key_prefix_drains_the_old_one_also_from_writers_still_on_it(
     sixteen_shards, settings, counters_prefix, make_user
 ):
@@ -191,6 +193,7 @@ def eager(settings):
     app.conf.task_always_eager = before
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_the_parallel_run_drains_the_old_layout_before_it_sends_the_parts(
     sixteen_shards, eager, settings, make_user
 ):
@@ -212,6 +215,7 @@ def test_the_parallel_run_drains_the_old_layout_before_it_sends_the_parts(
     assert readings(users) == (36, 36, 36)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_new_prefix_on_another_redis_is_a_loss_not_a_silent_drain(
     sixteen_shards, own_redis, settings, counters_prefix, make_user
 ):

@@ -50,6 +50,7 @@ def sequences(shard: int = 0) -> tuple[int, int]:
     return int(buffer.client.get(buffer.key(shard, "seq")) or 0), row.seq
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_restart_from_an_old_snapshot_is_a_loss_until_rebuilt(
     one_shard, snapshot_redis, make_user, tmp_path, caplog
 ):
@@ -143,6 +144,7 @@ def test_the_applied_sequence_commits_with_its_batch_only(one_shard, make_user):
     assert UnreadCounter.objects.get_count(alice) == stored(alice) == truth(alice) == 1
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_shard_without_a_flush_since_the_snapshot_cannot_tell(
     one_shard, snapshot_redis, make_user, tmp_path
 ):

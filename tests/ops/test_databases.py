@@ -216,6 +216,7 @@ def test_update_counter_command_lines_name_their_database(users, all_databases):
     assert [line.split(":")[0] for line in lines] == ["default", "other"]
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_status_command_shows_the_buffer_of_its_database(users, counters_prefix):
     alice, bob = users
     notify("other", alice, 1)
@@ -246,6 +247,7 @@ def test_rebuild_on_other_compares_with_others_truth(users):
     assert all(t == e == s for t, e, s in state(alice, bob).values())
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_fallback_write_on_other_is_settled_with_others_buffer(users, monkeypatch):
     """A push to "other"'s buffer that timed out but landed: the direct write is taken back."""
     alice, _ = users

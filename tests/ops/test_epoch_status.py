@@ -34,6 +34,7 @@ def restart_empty(server: RedisServer) -> None:
     server.start()
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_restart_without_persistence_is_detected_once_and_reported(
     four_shards, own_redis, settings, make_user, caplog
 ):
@@ -85,6 +86,7 @@ def test_auto_rebuild_is_on_by_default_and_repairs_what_redis_lost(
     assert [stored(u) for u in users] == [2, 2, 2]
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_status_shows_backlog_in_flight_batches_and_leases(four_shards, own_redis, make_user):
     users = [make_user() for _ in range(6)]
     for user in users:
@@ -123,6 +125,7 @@ def test_status_shows_backlog_in_flight_batches_and_leases(four_shards, own_redi
     assert_exact(*users)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_status_counts_fallback_writes_and_dropped_keys(settings, make_user):
     settings.COUNTERS_REDIS_URL = "redis://127.0.0.1:1/0"
     settings.COUNTERS_SOCKET_TIMEOUT = 0.2

@@ -227,6 +227,7 @@ def records() -> tuple[dict, list[dict]]:
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.redis
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_the_engine_flushes_only_the_shards_it_is_given(make_user):
     users = spread(make_user)
     buffer = get_buffer()
@@ -259,6 +260,7 @@ def test_the_engine_refuses_a_shard_before_touching_any(make_user):
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.redis
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_the_beat_task_sends_one_part_per_shard_set_and_every_count_is_exact(eager, make_user):
     users = spread(make_user)
     tasks.flush_counters()
@@ -294,6 +296,7 @@ def test_late_pushes_are_taken_back_once_before_any_part_moves_them(eager, make_
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.redis
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_keys_read_below_zero_are_repaired_once_per_run_by_the_dispatcher(eager, make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="v")
@@ -329,6 +332,7 @@ def test_a_loss_seen_by_the_parts_is_rebuilt_by_the_dispatcher(eager, own_redis,
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.redis
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_part_with_a_failed_shard_records_it_and_raises(eager, make_user):
     spread(make_user, 8)
     buffer = get_buffer()
@@ -397,6 +401,7 @@ def test_the_cron_command_flushes_every_shard_itself_whatever_the_parallelism(
 
 @pytest.mark.redis
 @pytest.mark.django_db(transaction=True, databases=["default", "other"])
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_every_database_gets_its_own_parts(eager, settings):
     settings.COUNTERS_DATABASES = ["default", "other"]
     User = get_user_model()

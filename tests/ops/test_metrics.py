@@ -113,6 +113,7 @@ def test_head_and_openmetrics(client, enabled):
     assert client.post("/metrics").status_code == 405
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_backlog_then_flush(client, enabled, make_user):
     users = [make_user() for _ in range(5)]
     buffer = get_buffer()
@@ -151,6 +152,7 @@ def test_backlog_then_flush(client, enabled, make_user):
     assert after.value("tally_last_flush_timestamp_seconds") == recorded
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_direct_write_moves_the_fallback_counter(client, enabled, settings, make_user):
     alice, bob = make_user(), make_user()
     before = scrape(client)
@@ -172,6 +174,7 @@ def test_a_direct_write_moves_the_fallback_counter(client, enabled, settings, ma
     assert stored(alice) == stored(bob) == 1
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_late_pushes_fenced_and_taken_back(client, enabled, settings, make_user, silent_server):  # noqa: F811
     alice, bob = make_user(), make_user()
     before = scrape(client)
@@ -194,6 +197,7 @@ def test_late_pushes_fenced_and_taken_back(client, enabled, settings, make_user,
     assert (stored(alice), stored(bob)) == (1, 1)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_recovered_batch(client, enabled, make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="x")
@@ -293,6 +297,7 @@ def test_an_epoch_loss_until_the_rebuild(client, enabled, settings, make_user):
     assert repaired.value("tally_rebuild_needed") == 0
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_metric_that_cannot_be_recorded_never_fails_the_write(
     client, enabled, settings, make_user
 ):

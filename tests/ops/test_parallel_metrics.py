@@ -86,6 +86,7 @@ def test_a_parallel_run_moves_the_flush_counters_by_what_its_parts_applied(
     assert after.value("tally_last_flush_failed_shards") == 0
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_the_last_flush_time_is_the_newest_part_not_an_old_manual_flush(
     client, enabled, eager, make_user
 ):

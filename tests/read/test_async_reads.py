@@ -97,6 +97,7 @@ def parts(user) -> dict[str, int]:
 
 
 @pytest.mark.usefixtures("redis_backend")
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_every_part_of_the_value_reads_as_the_sync_read_does(make_user):
     quarantined, in_flight, applied, pending, flushed = users_in_distinct_shards(make_user, 5)
     Notification.objects.notify([quarantined, flushed], verb="first")
@@ -147,6 +148,7 @@ def test_the_sync_read_refuses_an_event_loop_where_the_async_read_answers(make_u
     assert in_loop(UnreadCounter.objects.aget_count, alice) == truth(alice) == 1
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_an_async_read_inside_a_transaction_sees_its_uncommitted_deltas(make_user):
     """The read runs in the thread that holds the transaction open (thread-sensitive), so it
     adds the deltas the transaction has recorded and not sent: read-your-writes."""
@@ -179,6 +181,7 @@ def test_keys_may_be_a_queryset_and_come_back_as_given(make_user):
     assert in_loop(counters.aget_values, "unread", []) == {} == counters.get_values("unread", [])
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_with_redis_unreachable_the_async_read_falls_back_like_the_sync_one(make_user, settings):
     alice = make_user()
     Notification.objects.notify([alice, alice], verb="v")

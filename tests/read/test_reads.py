@@ -17,10 +17,12 @@ from counters.read import values as reads
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 
+# One push after each COMMIT: what these tests follow is that push (the sender would merge it).
 pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.redis,
     pytest.mark.usefixtures("redis_backend"),
+    pytest.mark.usefixtures("per_commit"),
 ]
 
 

@@ -115,6 +115,7 @@ def test_rolled_back_savepoint_drops_only_its_deltas(make_user):
     assert_exact(alice, bob)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_one_transaction_sends_one_push(make_user, redis_client, counters_prefix, monkeypatch):
     from counters.buffer.store import Buffer
 

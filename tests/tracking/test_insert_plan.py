@@ -24,6 +24,7 @@ from tests.helpers import assert_exact, in_redis, truth
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_plain_insert_is_one_statement_and_counted_once(make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="v")  # the buffer's layout recorded once
@@ -42,6 +43,7 @@ def test_a_plain_insert_is_one_statement_and_counted_once(make_user):
         pytest.param(int, False, 1, id="native"),
     ],
 )
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_values_not_of_their_fields_type_are_converted(make_user, recipient, is_read, counted):
     alice = make_user()
     Notification.objects.create(recipient_id=recipient(alice.pk), verb="v", is_read=is_read)
@@ -50,6 +52,7 @@ def test_values_not_of_their_fields_type_are_converted(make_user, recipient, is_
 
 
 @pytest.mark.parametrize(("is_read", "counted"), [(False, 1), (True, 0)])
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_an_expression_is_read_back_in_a_transaction(make_user, is_read, counted):
     alice = make_user()
     with CaptureQueriesContext(connection) as queries:

@@ -119,6 +119,7 @@ def test_bulk_create_refuses_conflict_modes_it_cannot_count(make_user):
     assert Notification.objects.count() == 0
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_notify_fans_out_with_one_delta_per_recipient(make_user, monkeypatch):
     from counters.buffer.store import Buffer
 

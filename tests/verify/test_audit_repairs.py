@@ -122,6 +122,7 @@ def finish(writers: list[subprocess.Popen]) -> None:
         assert sum(report["ops"].values()) > 20, report
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_raw_sql_corruption_of_unread_counts_is_repaired_while_writers_write(make_user, flusher):
     users = [make_user() for _ in range(10)]
     for user in users:
@@ -150,6 +151,7 @@ def test_raw_sql_corruption_of_unread_counts_is_repaired_while_writers_write(mak
     assert [truth(u) for u in users] == [UnreadCounter.objects.get_count(u) for u in users]
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_raw_sql_corruption_of_tracked_counters_is_repaired_while_writers_write(flusher):
     posts = [Post.objects.create(title=str(i)) for i in range(6)]
     for post in posts:

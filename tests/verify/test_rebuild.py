@@ -114,6 +114,7 @@ def test_command_refuses_to_guess_when_redis_is_down(corrupted):
     assert err.strip().splitlines()[-1].startswith("CommandError: Redis unreachable")
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_rebuild_while_writers_and_flushes_run_repairs_without_new_drift(make_user):
     users = [make_user() for _ in range(8)]
     for user in users:
@@ -178,6 +179,7 @@ def test_rebuild_while_writers_and_flushes_run_repairs_without_new_drift(make_us
     assert [stored(u) for u in users] == [truth(u) for u in users]
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_rebuild_beside_steady_writers_repairs_nothing_that_was_exact(make_user):
     """Writer processes committing all the time make the truth run ahead of Redis
     for a moment after each commit; the rebuild must never take that for drift."""
@@ -300,6 +302,7 @@ def test_the_full_rebuild_repairs_every_counter(posts, make_user):
     assert_blog_exact(*posts)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_repairs_beside_writer_processes_and_no_new_drift(posts):
     ids = ",".join(str(p.pk) for p in posts)
     command = [sys.executable, "-m", "tests.blog.writer", "--seconds", "6", "--posts", ids]

@@ -32,6 +32,7 @@ def run_writer(user, end: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("end", ["exit", "os-exit", "sigkill"])
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_writer_that_ends_with_replies_unread_counts_each_change_once(end, make_user):
     alice = make_user()
     proc = run_writer(alice, end)
@@ -43,6 +44,7 @@ def test_a_writer_that_ends_with_replies_unread_counts_each_change_once(end, mak
 
 
 @pytest.mark.parametrize("end", ["os-exit", "sigkill"])
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_batched_writer_killed_before_its_write_loses_those_commits_until_the_audit(
     end, make_user
 ):

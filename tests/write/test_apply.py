@@ -72,6 +72,7 @@ def test_flush_creates_rows_adds_to_rows_and_drops_deleted_users(applier, settin
     assert_exact(alice, bob)
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_direct_write_for_a_deleted_user_drops_only_that_user(applier, redis_down_in, make_user):
     redis_down_in.add(threading.current_thread())
     alice, gone = make_user(), make_user()
@@ -89,6 +90,7 @@ def test_a_direct_write_for_a_deleted_user_drops_only_that_user(applier, redis_d
 
 
 @needs_row_locks
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_row_created_between_two_statements_of_a_flush_misses_no_delta(
     applier, redis_down_in, make_user
 ):
@@ -116,6 +118,7 @@ def test_a_row_created_between_two_statements_of_a_flush_misses_no_delta(
 
 
 @needs_row_locks
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_direct_write_and_a_flush_lock_rows_in_one_order(
     applier, redis_down_in, settings, make_user
 ):
@@ -153,6 +156,7 @@ def test_a_direct_write_and_a_flush_lock_rows_in_one_order(
 
 
 @needs_row_locks
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_direct_write_drops_only_the_user_deleted_while_it_runs(
     applier, redis_down_in, make_user
 ):
@@ -272,6 +276,7 @@ def test_the_batch_update_scans_the_keys_index_in_key_order_on_a_small_table(mak
 
 
 @pytest.mark.skipif(not is_postgres(), reason="PostgreSQL's planner")
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_a_flush_batch_and_a_direct_write_update_in_key_order(settings, redis_down_in, make_user):
     """The flush sets the planner settings with its limits, in the statement it runs anyway; a
     direct write, which has no limits, runs ``IN_KEY_ORDER`` itself. Both end with their

@@ -26,6 +26,7 @@ class CaptureOnCommitTest(TestCase):
             self.assertEqual(UnreadCounter.objects.get_count(user), 2)  # its own changes
             self.assertEqual(counters.get_buffer().snapshot([member]).pending[member], 0)
         self.assertEqual(len(callbacks), 2)
+        counters.push_queued()  # the default sender queued them: pushed now
         self.assertEqual(counters.get_buffer().snapshot([member]).pending[member], 2)
         self.assertEqual(UnreadCounter.objects.get_count(user), 2)
 
@@ -43,5 +44,6 @@ class CaptureOnCommitTest(TestCase):
                 Notification.objects.create(recipient=user, verb="kept, in a savepoint")
         truth = Notification.objects.filter(recipient=user, is_read=False).count()
         self.assertEqual(truth, 2)
+        counters.push_queued()
         self.assertEqual(counters.get_buffer().snapshot([member]).pending[member], truth)
         self.assertEqual(UnreadCounter.objects.get_count(user), truth)

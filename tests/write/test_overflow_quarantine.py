@@ -38,6 +38,7 @@ def add(deltas: dict[Post, int]) -> None:
         counters.add_many(NAME, {post.pk: delta for post, delta in deltas.items()})
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_an_overflowing_direct_write_is_quarantined():
     post = Post.objects.create()
     add({post: 2**62})
@@ -54,6 +55,7 @@ def test_an_overflowing_direct_write_is_quarantined():
     assert len(quarantined()) == 1  # held until retried or discarded
 
 
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_the_rest_of_the_direct_write_is_applied():
     full, other = Post.objects.create(), Post.objects.create()
     add({full: 2**62})

@@ -16,7 +16,12 @@ from counters.verify.rebuild import rebuild
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.redis]
+# One push after each COMMIT: what these tests follow is that push (the sender would merge it).
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.redis,
+    pytest.mark.usefixtures("per_commit"),
+]
 
 UNREAD = "unread"
 

@@ -18,7 +18,8 @@ from counters.write import delivery, fallback
 from notifications.models import Notification, UnreadCounter
 from tests.helpers import assert_exact, stored, truth
 
-pytestmark = [pytest.mark.django_db(transaction=True)]
+# One push after each COMMIT: what these tests follow is that push (the sender would merge it).
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("per_commit")]
 
 
 @pytest.fixture(autouse=True)

@@ -20,10 +20,12 @@ from tests.helpers import (
     truth,
 )
 
+# One push after each COMMIT: what these tests follow is that push (the sender would merge it).
 pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.redis,
     pytest.mark.usefixtures("redis_backend"),
+    pytest.mark.usefixtures("per_commit"),
 ]
 
 

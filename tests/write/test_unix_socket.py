@@ -84,6 +84,7 @@ def deferred(settings, monkeypatch):
 
 
 @pytest.mark.usefixtures("deferred")
+@pytest.mark.usefixtures("per_commit")  # one push after each COMMIT
 def test_pushes_on_the_line_go_over_the_socket_and_flush_exactly(unix_redis, make_user):
     alice, bob = make_user(), make_user()
     write(alice, bob)
