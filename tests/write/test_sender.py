@@ -253,5 +253,8 @@ def test_counters_status_says_what_the_write_path_trades(settings):
     text, write_path = status()
     assert write_path["mode"] == "sender"
     assert write_path["send_delay_ms"] == 5
-    assert "write path: per-process sender, every 5 ms or 500 commits; trades: other " in text
+    assert (
+        "write path: per-process sender, every 5 ms or 500 commits; trades: outside a request "
+        "or a Celery task, other " in text
+    )
     assert "a process killed with SIGKILL loses up to 5 ms of its commits" in text

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from asgiref.sync import sync_to_async
 from celery import shared_task
+from django.db import connections
 from django.http import HttpResponse
 from django.test import RequestFactory
 
@@ -52,7 +53,10 @@ def test_an_async_response_leaves_once_its_commits_are_pushed(make_user):
         return HttpResponse("ok")
 
     async def serve():
-        return await AcknowledgeMiddleware(view)(RequestFactory().get("/"))
+        try:
+            return await AcknowledgeMiddleware(view)(RequestFactory().get("/"))
+        finally:  # the connection the view's queries opened in asgiref's thread, as Django's
+            await sync_to_async(connections.close_all)()  # request_finished would close it
 
     assert asyncio.run(serve()).status_code == 200
     assert in_redis(alice) == truth(alice) == 2
