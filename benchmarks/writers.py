@@ -18,6 +18,7 @@ Modes:
 - ``sender``: ``tally`` with the per-process sender on
   (``COUNTERS_SEND_DELAY_MS`` = ``--send-delay``, 5 ms by default): a COMMIT queues its
   delta, a thread pushes the queue in one round trip;
+- ``batched`` and ``waited`` push after each COMMIT, like ``per_commit``:
 - ``batched``: ``per_commit`` with ``COUNTERS_WRITE_BATCH`` = 16: outside a request, a
   writer's pushes are written to Redis 16 at a time (or within 50 ms), which a
   process killed before the write loses until the audit repairs them;

@@ -84,14 +84,14 @@ async def awatch(name: str, key: Any, *, using: str | None = None) -> AsyncGener
         # The first value is read once the member's channel is subscribed to, and every node
         # is (unless Redis is slow to answer): no change falls between the two, and the wake
         # of every watcher when the last node is subscribed comes before this first read.
-        await _wait(SUBSCRIBE_WAIT_S, dispatcher.ready[member], dispatcher.subscribed)
+        await _wait_all((dispatcher.ready[member], dispatcher.subscribed), SUBSCRIBE_WAIT_S)
         while True:
             event.clear()  # before the read: a change made during it wakes us again
             try:
                 value = await _read(name, key, alias)
             except (RedisError, DatabaseError) as exc:
                 logger.info("watch of %s: read failed, waiting: %s", member[:200], exc)
-                await _wait(READ_RETRY_S, event)
+                await _wait(event, READ_RETRY_S)
                 continue
             yield value
             await event.wait()
@@ -126,9 +126,12 @@ async def _read(name: str, key: Any, using: str) -> int:
     return await _reads.get((name, key, using))
 
 
-async def _wait(timeout: float, *events: asyncio.Event) -> None:
-    """Until every one of ``events`` is set, or ``timeout`` seconds have passed."""
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
 
+
+async def _wait_all(events: tuple[asyncio.Event, ...], timeout: float) -> None:
     async def every() -> None:
         for event in events:
             await event.wait()
