@@ -135,11 +135,13 @@ async def states(user_id: int, heartbeat: float) -> AsyncIterator[str]:
     yield "retry: 2000\n\n"  # EventSource reconnects after 2 s
     watch = counters.awatch(UNREAD_COUNTER, user_id)
     pending: asyncio.Task[int] | None = None
+    wait: float | None = None  # the first state comes before any comment, however slow
     try:
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(anext(watch))
-            done, _ = await asyncio.wait({pending}, timeout=heartbeat)
+            done, _ = await asyncio.wait({pending}, timeout=wait)
+            wait = heartbeat
             if not done:
                 yield ": heartbeat\n\n"
                 continue

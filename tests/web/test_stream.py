@@ -83,3 +83,25 @@ def test_state_first_then_heartbeats_then_a_state_per_change(alice, bob, setting
             await sync_to_async(connections.close_all)()
 
     asyncio.run(scenario())
+
+
+def test_the_state_comes_before_any_heartbeat_however_slow_the_first_read(alice, settings):
+    """A heartbeat shorter than the first read: the first chunk after ``retry`` is still the
+    state, never a comment."""
+    settings.NOTIFICATIONS_STREAM_HEARTBEAT = 0.0001
+    notify(alice, 3)
+
+    async def scenario() -> None:
+        client = AsyncClient()
+        await client.aforce_login(alice)
+        response = await client.get(URL)
+        chunks: AsyncIterator[bytes] = aiter(response.streaming_content)
+        try:
+            assert await anext(chunks) == b"retry: 2000\n\n"
+            _, first = state(await asyncio.wait_for(anext(chunks), 5))
+            assert first["unread"] == 3 == await in_thread(truth, alice)
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+            await sync_to_async(connections.close_all)()
+
+    asyncio.run(scenario())
