@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any, cast
+from typing import Any
 
 from django.db import NotSupportedError, models, transaction
 
@@ -40,8 +40,9 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
     """A QuerySet whose writes keep the counters of its model exact. Subclass it freely."""
 
     def _write_db(self) -> str:
-        self._for_write = True
-        return self.db
+        """The database the queryset writes to: its ``using()``, else the router's
+        ``db_for_write`` (a locking clone's ``db`` is the one Django writes with)."""
+        return self.select_for_update().db
 
     def update(self, **kwargs: Any) -> int:
         if not is_paused() and middle_touched(self.model, kwargs):
@@ -115,7 +116,7 @@ class CountedQuerySet(models.QuerySet[Any, Any]):
             raise TypeError("Cannot use 'limit' or 'offset' with delete().")
         if self.query.distinct_fields:
             raise TypeError("Cannot call delete() after .distinct(*fields).")
-        if cast(Any, self)._fields is not None:
+        if self.query.has_select_fields:
             raise TypeError("Cannot call delete() after .values() or .values_list()")
         using = self._write_db()
         total = 0

@@ -283,13 +283,17 @@ def _install_base_manager(model: type[models.Model]) -> None:
 
 
 def _rows_to_update(collector: Collector, field: models.Field, objs: Any) -> Any:
-    """``objs`` as a queryset of the base manager if updating ``field`` may change a counter.
+    """``objs`` as a queryset not yet evaluated if updating ``field`` may change a counter.
 
     Django updates a queryset not yet evaluated with ``update()`` (counted),
-    and loaded rows by primary key with a raw ``UpdateQuery`` (not counted).
+    and loaded rows by primary key with a raw ``UpdateQuery`` (not counted): a
+    queryset goes on as a fresh clone of itself, loaded rows as a queryset of
+    the base manager.
     """
-    if is_paused() or (isinstance(objs, models.QuerySet) and objs._result_cache is None):
+    if is_paused():
         return objs
+    if isinstance(objs, models.QuerySet):
+        return objs.all()
     objs = list(objs)
     if not objs:
         return objs

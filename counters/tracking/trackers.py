@@ -264,7 +264,7 @@ class InsertPlan:
 _ABSENT = object()
 _trackers: dict[str, Tracker] = {}
 _by_model: dict[type[models.Model], tuple[Tracker, ...]] = {}
-_fields: dict[type[models.Model], tuple[models.Field, ...]] = {}
+_tracked_fields: dict[type[models.Model], tuple[models.Field, ...]] = {}
 _attnames: dict[type[models.Model], tuple[str, ...]] = {}
 _names: dict[type[models.Model], frozenset[str]] = {}
 #: ``(tracker, depth)``: a tracker whose related paths go through a model at that depth.
@@ -284,7 +284,7 @@ def add_tracker(tracker: Tracker) -> None:
     _by_model[model] = (*_by_model.get(model, ()), tracker)
     names = {a for t in _by_model[model] for a in t.attnames}
     fields = tuple(f for f in model._meta.concrete_fields if f.attname in names)
-    _fields[model] = fields
+    _tracked_fields[model] = fields
     _attnames[model] = tuple(f.attname for f in fields)
     _names[model] = frozenset({f.name for f in fields} | {f.attname for f in fields})
     if tracker.related:
@@ -337,7 +337,7 @@ def trackers_for(model: type[models.Model]) -> tuple[Tracker, ...]:
 
 def tracked_fields(model: type[models.Model]) -> tuple[models.Field, ...]:
     """The fields a counted path reads from rows of ``model``, in a fixed order."""
-    return _fields.get(concrete_model(model), ())
+    return _tracked_fields.get(concrete_model(model), ())
 
 
 def tracked_attnames(model: type[models.Model]) -> tuple[str, ...]:

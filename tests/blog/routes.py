@@ -34,7 +34,7 @@ def track_routes(monkeypatch: pytest.MonkeyPatch) -> None:
     Not declared by the app: the other tests see only the counters they know.
     """
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_attnames", "_names"):
+    for name in ("_trackers", "_by_model", "_tracked_fields", "_attnames", "_names"):
         monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
     for name, model, key, where in (
         ("route_entries", RouteEntry, "owner", None),

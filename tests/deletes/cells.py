@@ -17,7 +17,7 @@ from counters.tracking import trackers
 def declare(monkeypatch) -> Iterator[Any]:
     """``declare(name, model, **track_kwargs)``: counters declared for this test alone."""
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_attnames", "_names", "_middles"):
+    for name in ("_trackers", "_by_model", "_tracked_fields", "_attnames", "_names", "_middles"):
         monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
 
     def track(name: str, model: Any, **kwargs: Any) -> None:

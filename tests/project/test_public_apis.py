@@ -30,7 +30,7 @@ LIBRARIES = {"django", "asgiref", "redis", "hiredis", "asyncio"}
 #: Private attributes of those libraries, each read once by the app and replaced since:
 #: Django's connection handler (asgiref's storage), its list of on_commit callbacks, its
 #: MySQL feature flag, redis-py's parsers module, asyncio's loop lookup, QuerySet's check,
-#: a redis-py connection's socket.
+#: a redis-py connection's socket, QuerySet's ``values()`` fields and write flag.
 DENIED = {
     "_connections",
     "_storage",
@@ -40,7 +40,12 @@ DENIED = {
     "_get_running_loop",
     "_not_support_combined_queries",
     "_sock",
+    "_fields",
+    "_for_write",
 }
+#: A QuerySet's cache: a subclass may clear its own (``self._result_cache = None``, as
+#: Django's ``update()`` does), never read one.
+DENIED_READS = {"_result_cache"}
 #: Private attributes read through another object than ``self``: a Django
 #: ``OutputWrapper``'s stream.
 DENIED_ELSEWHERE = {"_out"}
@@ -73,6 +78,8 @@ def violations(source: str, filename: str = "<snippet>") -> list[str]:
                     flag(node, f"import of private module {alias.name}")
         elif isinstance(node, ast.Attribute):
             if node.attr in DENIED:
+                flag(node, f"read of private attribute {node.attr}")
+            elif node.attr in DENIED_READS and not isinstance(node.ctx, ast.Store):
                 flag(node, f"read of private attribute {node.attr}")
             elif node.attr in DENIED_ELSEWHERE and not (
                 isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
@@ -116,6 +123,9 @@ def test_counters_reads_no_private_attribute_of_its_libraries():
         "Progress(self.stderr._out, True)",
         "sock = self.connection._sock",
         "sock = getattr(connection, '_sock')",
+        "if objs._result_cache is None: pass",
+        "if self._fields is not None: pass",
+        "self._for_write = True",
     ],
     ids=lambda snippet: snippet.split("(")[0].split(" = ")[-1][:40],
 )
@@ -134,6 +144,7 @@ def test_the_checker_flags_each_forbidden_pattern(snippet):
         "encoder = ConnectionPool().get_encoder()",
         "from __future__ import annotations",
         "self._out = []",
+        "self._result_cache = None",
         "'''Reads no run_on_commit: a docstring may name it.'''",
     ],
 )

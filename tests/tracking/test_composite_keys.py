@@ -44,7 +44,7 @@ def daily(monkeypatch) -> Iterator[None]:
     global ZONE
     ZONE = AUCKLAND if zone_tables() else zoneinfo.ZoneInfo("UTC")
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_attnames", "_names"):
+    for name in ("_trackers", "_by_model", "_tracked_fields", "_attnames", "_names"):
         monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
     counters.track(
         NAME,

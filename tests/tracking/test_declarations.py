@@ -30,7 +30,7 @@ NAME = "stamped_comments"
 def stamped(monkeypatch):
     """Approved comments per post, counted into rows with time stamps, for this test alone."""
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_attnames", "_names"):
+    for name in ("_trackers", "_by_model", "_tracked_fields", "_attnames", "_names"):
         monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
     counters.track(
         NAME, Comment, key="post", into="blog.DeclStamped.comments", where=Q(approved=True)

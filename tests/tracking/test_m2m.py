@@ -34,7 +34,7 @@ Through = User.groups.through
 def memberships(monkeypatch) -> Iterator[None]:
     """The two membership counters, declared for this test alone."""
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_attnames", "_names"):
+    for name in ("_trackers", "_by_model", "_tracked_fields", "_attnames", "_names"):
         monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
     counters.track(GROUPS, Through, key="group", into="blog.GroupStats.members")
     counters.track(CLUBS, Membership, key="club", into="blog.ClubStats.members")

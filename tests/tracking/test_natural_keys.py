@@ -27,7 +27,7 @@ NAME = "shelf_books"
 def shelf_books(monkeypatch):
     """The counter of books per shelf code, declared for this test alone."""
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_attnames", "_names"):
+    for name in ("_trackers", "_by_model", "_tracked_fields", "_attnames", "_names"):
         monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
     counters.track(NAME, DeclBook, key="shelf", into="blog.DeclShelfStats.books")
 

@@ -33,7 +33,7 @@ STATS = "blog.PostStats.comments"
 def isolated_trackers(monkeypatch):
     """Trackers and counters a test adds vanish after it; the apps' own ones stay."""
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_attnames", "_names"):
+    for name in ("_trackers", "_by_model", "_tracked_fields", "_attnames", "_names"):
         monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
 
 

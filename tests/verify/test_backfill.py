@@ -48,7 +48,7 @@ def declare() -> None:
 def scratch_registry(transactional_db, monkeypatch) -> Iterator[None]:
     """Declarations made by a test are undone after it; the counter was never seen."""
     monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    for name in ("_trackers", "_by_model", "_fields", "_attnames", "_names"):
+    for name in ("_trackers", "_by_model", "_tracked_fields", "_attnames", "_names"):
         monkeypatch.setattr(trackers, name, dict(getattr(trackers, name)))
     backfill.forget()
     backfill.seen_after_migrate(using="default")  # the apps' counters, as after migrate
