@@ -77,9 +77,8 @@ def violations(source: str, filename: str = "<snippet>") -> list[str]:
                 if parts[0] in LIBRARIES and any(_private(part) for part in parts):
                     flag(node, f"import of private module {alias.name}")
         elif isinstance(node, ast.Attribute):
-            if node.attr in DENIED:
-                flag(node, f"read of private attribute {node.attr}")
-            elif node.attr in DENIED_READS and not isinstance(node.ctx, ast.Store):
+            read = not isinstance(node.ctx, ast.Store)
+            if node.attr in DENIED or (node.attr in DENIED_READS and read):
                 flag(node, f"read of private attribute {node.attr}")
             elif node.attr in DENIED_ELSEWHERE and not (
                 isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
