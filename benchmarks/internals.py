@@ -29,7 +29,7 @@ from counters.flushing import lanes, shard
 from counters.flushing.result import FlushResult
 from counters.ops.fanout import flush_part, partition
 from counters.read.values import _read_rows as read_rows
-from counters.write import acks, delivery, replies
+from counters.write import acks, delivery, replies, sender
 from counters.write.apply import CHUNK
 from counters.write.outbox import clear_landed
 from counters.write.transactions import unsent
@@ -63,6 +63,7 @@ __all__ = [
     "pushids",
     "read_rows",
     "replies",
+    "sender",
     "shard",
     "to_str",
     "unsent",

@@ -140,6 +140,8 @@ def _writes(config: BenchConfig, buffer: Buffer, users: list[int], progress) -> 
         # every insert of the mode was watched: its watcher got one message per insert
         result["watched_ops"] = ops["watched"]
         result["watched_messages"] = watcher.messages
+        if float(conf.get("COUNTERS_SEND_DELAY_MS") or 0) > 0:
+            result["watched_merged"] = True  # the sender merges a key's commits: fewer messages
     if floor and "floor_push" in modes:
         _push_floor_check(result, buffer, ops["floor_push"])
     if floor and ("floor" in modes or "floor_durable" in modes):

@@ -41,11 +41,18 @@ def writes_table(w: dict, cfg: dict) -> list[str]:
     lines += _costs(by_count)
     lines += _live(by_count)
     if "watched_ops" in w:
-        every = "yes" if w["watched_messages"] == w["watched_ops"] else "NO"
+        ops, messages = w["watched_ops"], w["watched_messages"]
+        # one per insert when each COMMIT pushes; with the sender, one per key of a push
+        every = (
+            "one per insert: yes"
+            if messages == ops
+            else f"one per key of each merged push: {ops / messages:.1f} inserts a message"
+            if 0 < messages < ops and "watched_merged" in w
+            else "one per insert: NO"
+        )
         lines += [
             "",
-            f"watched: {w['watched_ops']:,} inserts, {w['watched_messages']:,} messages "
-            f"received by the watcher; one per insert: {every}",
+            f"watched: {ops:,} inserts, {messages:,} messages received by the watcher; {every}",
         ]
     if "trigger_skipped" in w:
         lines += ["", f"note: {w['trigger_skipped']}"]

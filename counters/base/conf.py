@@ -153,10 +153,11 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "COUNTERS_SEND_DELAY_MS",
             float,
-            0.0,
+            200.0,
             "Milliseconds committed deltas may wait in this process's queue before a "
             "background thread pushes them, many commits in one round trip "
-            "(counters.write.sender). 0: every COMMIT pushes its own deltas before returning.",
+            "(counters.write.sender); a request's are pushed before its response, a Celery "
+            "task's when it ends. 0: every COMMIT pushes its own deltas before returning.",
         ),
         Setting(
             "COUNTERS_SEND_BATCH",

@@ -1,6 +1,6 @@
 """The per-process sender: committed deltas queued in memory, pushed by a thread in batches.
 
-With ``COUNTERS_SEND_DELAY_MS`` > 0, the write path no longer pushes after
+With ``COUNTERS_SEND_DELAY_MS`` > 0 (200 by default), the write path no longer pushes after
 every COMMIT. :func:`enqueue` adds the committed deltas to a queue of this
 process (one per database alias), summed per member, and a background thread
 pushes the queue in one round trip once it is ``COUNTERS_SEND_DELAY_MS`` old
@@ -197,9 +197,13 @@ def describe_mode() -> dict[str, object]:
         "write_batch": None,
         "trades": (
             f"outside a request or a Celery task, other processes see a commit up to "
-            f"{delay_ms:g} ms later; a process killed "
-            f"with SIGKILL loses up to {delay_ms:g} ms of its commits until the audit "
-            "repairs them"
+            f"{delay_ms:g} ms later; "
+            + (
+                "a process killed loses nothing (durable mode)"
+                if conf.durable()
+                else f"a process killed with SIGKILL loses up to {delay_ms:g} ms of its "
+                "commits until the audit repairs them"
+            )
         ),
     }
 

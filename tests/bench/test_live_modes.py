@@ -24,9 +24,15 @@ RUN_MODES = ("tally", "live", "watched")
 
 @pytest.fixture(scope="module")
 def live_run(django_db_setup, django_db_blocker) -> tuple[dict, str]:
-    """The JSON and the table of quick runs of tally, live and watched, 2 rounds."""
+    """The JSON and the table of quick runs of tally, live and watched, 2 rounds, each
+    COMMIT pushed at once (``COUNTERS_SEND_DELAY_MS`` 0): one message per watched insert."""
     with django_db_blocker.unblock():
-        env = {**os.environ, "DATABASE_URL": database_url(), "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url(),
+            "PYTHONUNBUFFERED": "1",
+            "COUNTERS_SEND_DELAY_MS": "0",
+        }
         args = ("counters_bench", "--quick", "--sections", "writes", "--rounds", "2")
         code, out, err = run_manage(
             *args, "--modes", "watched,live,tally", "--json", env=env, timeout=280

@@ -47,8 +47,8 @@ pytestmark = [
 WRITERS = 4
 #: Seconds between two kills (uniform): each writer dies after some 0.1 to 1.6 s of writing.
 KILL_GAP = (0.1, 0.4)
-#: ``COUNTERS_SEND_DELAY_MS`` of the sender mode.
-SEND_DELAY_MS = 50
+#: ``COUNTERS_SEND_DELAY_MS`` of the default mode (the per-process sender), its default.
+SEND_DELAY_MS = 200
 #: ``COUNTERS_OUTBOX_GRACE`` of durable mode: the flush pushes rows older than that.
 GRACE = 0.5
 #: The sender mode's lost commits must all be younger than the delay plus this (seconds):
@@ -65,10 +65,10 @@ class Mode:
 
 
 MODES = {
-    # One push after each COMMIT: lost if killed between the COMMIT and the push.
-    "default": Mode({}, "atomic", 1),
     # Commits queued in the process, pushed once the oldest waited the delay.
-    "sender": Mode({"COUNTERS_SEND_DELAY_MS": str(SEND_DELAY_MS)}, "atomic", None),
+    "default": Mode({}, "atomic", None),
+    # One push after each COMMIT: lost if killed between the COMMIT and the push.
+    "per-commit": Mode({"COUNTERS_SEND_DELAY_MS": "0"}, "atomic", 1),
     # The outbox row commits with the change: the flush pushes what the writer could not.
     "durable": Mode({"COUNTERS_DURABLE": "1"}, "atomic", 0),
     # The outbox row is a statement of its own after the change's commit.

@@ -47,6 +47,7 @@ pytestmark = [
     pytest.mark.redis,
     pytest.mark.django_db(transaction=True),
     pytest.mark.timeout(180),
+    pytest.mark.usefixtures("per_commit"),  # the test's own commits are in Redis when it flushes
 ]
 
 

@@ -229,6 +229,12 @@ def test_counters_status_says_what_the_write_path_trades(settings):
         call_command("counters_status", "--json", stdout=data)
         return text.getvalue(), json.loads(data.getvalue())["write_path"]
 
+    text, write_path = status()  # the default: the sender, every 200 ms
+    assert write_path["mode"] == "sender"
+    assert write_path["send_delay_ms"] == 200
+    assert "write path: per-process sender, every 200 ms or 500 commits; trades: " in text
+    assert "a process killed with SIGKILL loses up to 200 ms of its commits" in text
+    settings.COUNTERS_SEND_DELAY_MS = 0
     text, write_path = status()
     assert "write path: each COMMIT pushes its deltas before returning" in text
     assert write_path == {
@@ -258,3 +264,6 @@ def test_counters_status_says_what_the_write_path_trades(settings):
         "or a Celery task, other " in text
     )
     assert "a process killed with SIGKILL loses up to 5 ms of its commits" in text
+    settings.COUNTERS_DURABLE = True
+    text, write_path = status()
+    assert write_path["trades"].endswith("later; a process killed loses nothing (durable mode)")
