@@ -110,32 +110,6 @@ class Intake(Keyspace):
             calls = live.live_calls(self.prefix, groups, calls)
         return PushPlan(push_id, deltas, groups, refused, calls)
 
-    def wire_one(self, member: str, delta: int, writer: str, seq: int) -> bytes | None:
-        """The command of a push of ``{member: delta}`` by ``writer`` under sequence number
-        ``seq``, sent now, encoded for Redis: what :meth:`plan_push` puts in its plan's
-        :attr:`~PushPlan.wire`, without the plan. None if it must be planned instead: a
-        delta that is not a nonzero ``int`` below the score limit, a member or a key that
-        is not ASCII, or script limits other than the module's (as a test may set them).
-        """
-        if (
-            type(delta) is not int
-            or not 0 < abs(delta) < SCORE_LIMIT
-            or not member.isascii()
-            or PUSH_MAX_AGE_MS is not _AGE
-            or PUSH_MARKER_TTL_MS is not _TTL
-        ):
-            return None
-        shard = crc32(member.encode()) % self.shards
-        entry = self._push_keys_cache.get((shard, writer))
-        if entry is None:
-            entry = self._push_entry(shard, writer)
-        if live.LIVE_COUNTERS and live.is_live(member):  # with the start of its channel
-            entry = self._live_entry(shard, writer, entry[0])
-        head = entry[1]
-        if not head:
-            return None
-        return encode_one(head, time.time_ns() // 1_000_000, seq, member, delta)
-
     def _push_keys(self, shard: int, writer: str) -> tuple[str, ...]:
         """KEYS of the push script in ``shard`` for ``writer``: pending, writer, since, suspects.
 

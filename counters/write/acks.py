@@ -36,13 +36,6 @@ and the reader waits for it.
 A web process that serves requests without the middleware waits on its
 pushes, as with ``COUNTERS_DEFER_ACKS`` off: its responses would otherwise
 leave before their pushes are acknowledged.
-
-A thread's first push of this kind keeps its route (:func:`keep_route`):
-its next pushes to that database go straight to its line
-(:func:`send_kept`), without the lookups that decided the first one (the
-settings, the buffer, its recorded layout, the line). A changed setting or a
-request served without the middleware drops every thread's route
-(:func:`forget_routes`).
 """
 
 from __future__ import annotations
@@ -54,14 +47,13 @@ import time
 from collections import deque
 from collections.abc import Mapping
 
-from django.core.signals import setting_changed
 from django.db import connections
 from redis import Redis
 
 from counters.buffer.pushids import PushId
 from counters.buffer.store import Buffer
 from counters.write import exits, replies
-from counters.write.replies import Acks, Complete, Failed, OnePush, ThreadLines, Waiting
+from counters.write.replies import Acks, Complete, Failed, ThreadLines, Waiting
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +66,6 @@ class _State:
 
     def __init__(self) -> None:
         self.local = ThreadLines()
-        #: A route kept in an epoch holds until the epoch moves on (:func:`keep_route`,
-        #: :func:`forget_routes`).
-        self.epoch = 0
         self.all: list[Acks] = []
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -104,7 +93,6 @@ def request_started(**kwargs: object) -> None:
     """``request_started``: a request served without the middleware waits on its pushes."""
     if not _state.middleware and not _state.unguarded:
         _state.unguarded = True
-        forget_routes()
         acknowledge()
 
 
@@ -136,7 +124,7 @@ def send(
     if _state.unguarded or not isinstance(buffer.client, Redis):
         return False
     if push_id is None:
-        return _handed_on(_acks_of_thread(using, buffer).hand_on(deltas, complete, batch))
+        return _handed_on(_acks_of_thread(using, buffer).push(deltas, complete, batch))
     plan = buffer.plan_push(deltas, push_id)
     if not plan.calls or plan.refused:
         return False
@@ -156,49 +144,6 @@ def _handed_on(failed: list[Failed] | None) -> bool:
             _finish(failed)
         _ensure_thread()
     return True
-
-
-def route_epoch() -> int:
-    """The epoch a route kept now holds in: read it before the checks that allow it."""
-    return _state.epoch
-
-
-def keep_route(using: str, buffer: Buffer, complete: Complete, batch: int, epoch: int) -> None:
-    """Keep this thread's route to its line of ``using``: :func:`send_kept` hands its next
-    pushes on as :func:`send` of ``buffer``, ``complete`` and ``batch`` would, without
-    what decided them.
-
-    Called once :func:`send` handed a push of ``buffer`` on. The caller checked,
-    since :func:`route_epoch` gave it ``epoch``, that every push of the thread
-    to ``using`` with no push id of its own takes that path:
-    the settings, the buffer of ``using`` and its recorded layout. It holds
-    until :func:`forget_routes`: a changed setting (``setting_changed``), a
-    request served without the middleware, or a caller that knows the rest
-    changed.
-    """
-    acks = _state.local.lines.get(using)
-    if acks is not None and acks.buffer is buffer:  # the line :func:`send` wrote to
-        acks.kept_complete = complete
-        acks.kept_batch = batch
-        acks.kept = epoch
-
-
-def forget_routes(**kwargs: object) -> None:
-    """Drop every thread's kept route (:func:`keep_route`): the next push of each is
-    decided again. Connected to ``setting_changed``."""
-    _state.epoch += 1
-
-
-def send_kept(deltas: Mapping[str, int], using: str) -> bool:
-    """:func:`send` of committed ``deltas`` (none zero) on the thread's kept route to
-    ``using`` (:func:`keep_route`); False if it has none, or the push was not sent (the
-    caller decides it as usual)."""
-    state = _state
-    acks = state.local.lines.get(using)
-    if acks is None or acks.kept != state.epoch:
-        return False
-    failed = acks.hand_on(deltas, acks.kept_complete, acks.kept_batch)  # type: ignore[arg-type]
-    return _handed_on(failed)
 
 
 def acknowledge(using: str | None = None) -> None:
@@ -251,7 +196,7 @@ def _finish(failed: list[Failed]) -> None:
         _complete(push, exc)
 
 
-def _complete(push: Waiting | OnePush, exc: BaseException) -> None:
+def _complete(push: Waiting, exc: BaseException) -> None:
     try:
         push.complete(push.deltas, push.using, push.push_id, exc)
     except Exception:  # completes logs and never raises; the thread must live on
@@ -340,4 +285,3 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
-setting_changed.connect(forget_routes, dispatch_uid="counters.write.acks.routes")

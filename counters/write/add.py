@@ -15,7 +15,7 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS
 
 from counters.base.registry import get_spec
-from counters.write import acks, delivery, durable, transactions
+from counters.write import delivery, durable, transactions
 
 
 def add(name: str, key: Any, delta: int = 1, *, using: str = DEFAULT_DB_ALIAS) -> None:
@@ -50,13 +50,13 @@ def add_members(members: Mapping[str, int], *, using: str = DEFAULT_DB_ALIAS) ->
     else:
         changed = {member: delta for member, delta in members.items() if delta}
     if changed:
-        transactions.record(changed, using, delivery.send, durable.hook, acks.send_kept)
+        transactions.record(changed, using, delivery.send, durable.hook)
 
 
 def add_made(members: dict[str, int], using: str) -> None:
     """:func:`add_members` of a dict made for this call alone (the caller keeps no reference
     to it): recorded without a copy when it holds no zero."""
     if members and all(members.values()):
-        transactions.record(members, using, delivery.send, durable.hook, acks.send_kept)
+        transactions.record(members, using, delivery.send, durable.hook)
     else:
         add_members(members, using=using)

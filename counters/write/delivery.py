@@ -56,20 +56,12 @@ def send(
     mode) never wait in the sender's queue: they are pushed now, under that
     id (their reply read later with ``COUNTERS_DEFER_ACKS``), so that a later
     push of the row by a flush finds it applied.
-
-    A push with deferred acknowledgements keeps the thread's route
-    (:func:`counters.write.acks.keep_route`): its next pushes without a push
-    id take it, without deciding it again. Not in durable mode, where a
-    change committed with autocommit on must have its outbox row first
-    (:func:`counters.write.transactions.record` tries the route before it).
     """
-    if push_id is None and not outbox and acks.send_kept(deltas, using):
-        return  # the thread's route, as decided below for its push before
-    epoch = acks.route_epoch()
     buffer = get_buffer(using)
     # In the committing thread, before any push: the DB knows the layout and the
     # shards' epochs (not in the sender's thread, which has no connection of its own).
-    recorded = any(deltas.values()) and ensure_recorded(buffer, using)
+    if any(deltas.values()):
+        ensure_recorded(buffer, using)
     switches = conf.write_switches()
     if push_id is None and not outbox:
         if switches.send_delay > 0 and sender.enqueue(deltas, using, push_now):
@@ -77,9 +69,6 @@ def send(
         if switches.defer_acks and acks.send(
             deltas, using, buffer, complete, batch=switches.write_batch
         ):
-            # so will the thread's next pushes (durable mode keeps no route: see above)
-            if recorded and switches.send_delay <= 0 and not switches.durable:
-                acks.keep_route(using, buffer, complete, switches.write_batch, epoch)
             return  # its reply is read later; ``complete`` finishes it if it failed
     elif outbox and push_id is not None and switches.defer_acks:
         held = PushId.of(push_id)

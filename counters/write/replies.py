@@ -1,11 +1,10 @@
 """A thread's lines to the buffer, and the pushes written on them waiting for their replies.
 
 A line (:class:`Acks`, one per thread and database) writes each push handed
-to it (:meth:`Acks.hand_on`, :meth:`Acks.send`) and reads the replies later
+to it (:meth:`Acks.push`, :meth:`Acks.send`) and reads the replies later
 (:meth:`Acks.settle`), when they have usually arrived: once ``MAX_WAITING``
 pushes wait or the oldest is ``ACK_AFTER`` old. A push waiting is a
-:class:`Waiting`, or for the usual push of one member a :class:`OnePush`,
-which makes its plan only if it is needed. Each method returns the pushes
+:class:`Waiting`. Each method returns the pushes
 that failed, with their errors: their completion, and when the replies are
 read besides, is :mod:`counters.write.acks`'s.
 """
@@ -75,73 +74,7 @@ class Waiting:
         self.sent_at = time.monotonic()
 
 
-class OnePush:
-    """A push of one member written to a line, waiting for its reply; its own plan.
-
-    Most pushes are one counted change of one counter. Such a push is made
-    without a :class:`~counters.buffer.pushids.PushId`, a
-    :class:`~counters.buffer.intake.PushPlan` and a :class:`Waiting`: it is
-    what :class:`Waiting` holds, and what the line reads of a plan (its
-    encoded command, and that it is one call). Its push id, its deltas and
-    its plan are made when they are needed: when its reply is not 1, or it
-    failed.
-    """
-
-    __slots__ = (
-        "buffer",
-        "complete",
-        "delta",
-        "member",
-        "sent_at",
-        "seq",
-        "using",
-        "wire",
-        "writer",
-    )
-
-    #: What the line reads of :attr:`PushPlan.calls <counters.buffer.intake.PushPlan.calls>`:
-    #: one call (its command is :attr:`wire`).
-    calls = ((),)
-
-    def __init__(
-        self,
-        buffer: Buffer,
-        wire: bytes,
-        writer: Writer,
-        seq: int,
-        member: str,
-        delta: int,
-        using: str,
-        complete: Complete,
-    ) -> None:
-        self.buffer = buffer
-        self.wire = wire
-        self.writer = writer
-        self.seq = seq
-        self.member = member
-        self.delta = delta
-        self.using = using
-        self.complete = complete
-        self.sent_at = time.monotonic()
-
-    @property
-    def push_id(self) -> PushId:
-        return self.writer.push_id(self.seq)
-
-    @property
-    def deltas(self) -> dict[str, int]:
-        return {self.member: self.delta}
-
-    @property
-    def plan(self) -> PushPlan:
-        return self.buffer.plan_push(self.deltas, self.push_id)
-
-    def check(self, replies: list) -> None:
-        """:meth:`PushPlan.check <counters.buffer.intake.PushPlan.check>` of its replies."""
-        self.plan.check(replies)
-
-
-Failed = tuple[Waiting | OnePush, BaseException]
+Failed = tuple[Waiting, BaseException]
 
 
 class Acks:
@@ -163,53 +96,9 @@ class Acks:
         self.line = Line(buffer)
         self.owner = threading.current_thread()
         self.lock = threading.Lock()
-        self.waiting: deque[Waiting | OnePush] = deque()
+        self.waiting: deque[Waiting] = deque()
         #: The line's writers with no push in flight.
         self.writers: list[Writer] = []
-        #: The route kept for the thread's usual pushes
-        #: (:func:`~counters.write.acks.keep_route`): the epoch it holds in (-1: none), with
-        #: what :func:`~counters.write.acks.send` was given.
-        self.kept = -1
-        self.kept_complete: Complete | None = None
-        self.kept_batch = 1
-
-    def hand_on(
-        self, deltas: Mapping[str, int], complete: Complete, batch: int
-    ) -> list[Failed] | None:
-        """:meth:`send` of ``deltas`` under the next push id of a writer of the line: the
-        failed pushes of the replies read, or None if it was never sent.
-
-        The usual push, of one member, is made as a :class:`OnePush`, here: its command
-        encoded at once (:meth:`~counters.buffer.intake.Intake.wire_one`), unless it must
-        be planned (then, as any other, by :meth:`push`).
-        """
-        failed = None
-        if len(deltas) == 1:
-            ((member, delta),) = deltas.items()
-            lock = self.lock
-            lock.acquire()  # (not ``with``: the usual push's lock, at half the cost)
-            try:
-                writers = self.writers
-                writer = writers.pop() if writers else Writer()
-                seq = writer.seq + 1
-                try:
-                    wire = self.buffer.wire_one(member, delta, writer.id, seq)
-                except BaseException:
-                    writers.append(writer)  # never sent, its number never used
-                    raise
-                if wire is None:
-                    writers.append(writer)
-                else:
-                    writer.seq = seq
-                    push = OnePush(
-                        self.buffer, wire, writer, seq, member, delta, self.using, complete
-                    )
-                    failed = self._write(push, push, batch)
-            finally:
-                lock.release()
-        if failed is None:
-            return self.push(deltas, complete, batch)  # None: never sent, the caller waits
-        return failed
 
     def push(
         self, deltas: Mapping[str, int], complete: Complete, batch: int = 1
@@ -247,12 +136,12 @@ class Acks:
         with self.lock:
             return self._write(push, push.plan, batch)
 
-    def _write(self, push: Waiting | OnePush, plan: PushPlan | OnePush, batch: int) -> list[Failed]:
+    def _write(self, push: Waiting, plan: PushPlan, batch: int) -> list[Failed]:
         if batch > 1 and not self.thread.serving:
             return self._take(push, plan, batch)
         waiting = self.waiting
         try:
-            self.line.send(plan)  # type: ignore[arg-type]  # a OnePush is its own plan
+            self.line.send(plan)
         except Exception as exc:
             return [*self._broken(exc), (push, exc)]
         waiting.append(push)
@@ -260,11 +149,11 @@ class Acks:
             return []
         return self._settle(keep=1)  # the replies before it, arrived by now: one read
 
-    def _take(self, push: Waiting | OnePush, plan: PushPlan | OnePush, batch: int) -> list[Failed]:
+    def _take(self, push: Waiting, plan: PushPlan, batch: int) -> list[Failed]:
         """:meth:`_write` of a thread that batches its writes (``batch`` above 1)."""
         line, waiting = self.line, self.waiting
         try:
-            line.send(plan, now=False)  # type: ignore[arg-type]
+            line.send(plan, now=False)
         except Exception as exc:
             return [*self._broken(exc), (push, exc)]
         waiting.append(push)

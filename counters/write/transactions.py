@@ -24,8 +24,7 @@ Outside a transaction, with autocommit on, the change is already committed
 and its deltas go at once.
 
 Who receives the deltas is injected with them (:func:`record`): the
-``send`` to call after the COMMIT, the route of the thread's usual pushes
-(``kept``, tried first for a change already committed), and the hook of durable mode
+``send`` to call after the COMMIT, and the hook of durable mode
 (``COUNTERS_DURABLE``, :class:`Durable`, implemented in
 :mod:`counters.write.durable`). In durable mode the wrapped ``commit()`` first
 has the hook write the transaction's deltas to an outbox row under a new push
@@ -54,9 +53,6 @@ logger = logging.getLogger(__name__)
 #: ``send(deltas, using)``, or ``send(deltas, using, push_id=..., outbox=True)`` when the
 #: deltas are held in an outbox row (see :func:`counters.write.delivery.send`).
 Sender = Callable[..., None]
-#: ``kept(deltas, using)``: hand committed deltas to the thread's kept route, or False if
-#: it has none (see :func:`counters.write.acks.send_kept`).
-KeptRoute = Callable[[Mapping[str, int], str], bool]
 
 
 class Durable(Protocol):
@@ -289,7 +285,6 @@ def record(
     using: str,
     send: Sender,
     durable: Durable | None = None,
-    kept: KeptRoute | None = None,
 ) -> None:
     """Have ``send(deltas, using)`` called once the current transaction on ``using`` commits.
 
@@ -297,15 +292,10 @@ def record(
     of one transaction are summed per member and sent in one call.
     ``durable``: the hook of durable mode, which holds them in an outbox row
     from before the COMMIT until they are counted (when it is enabled).
-    ``kept``: where deltas committed already go first, without ``send`` and
-    the check of durable mode: the thread's kept route, which exists only
-    while ``send`` would take it (durable mode off).
     """
     conn = connections[using]
     in_atomic = conn.in_atomic_block
     if not in_atomic and conn.get_autocommit():
-        if kept is not None and kept(deltas, using):
-            return
         if durable is not None and durable.enabled():
             durable.send_committed(deltas, using, send)
         else:

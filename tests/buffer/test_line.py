@@ -75,17 +75,17 @@ def test_the_command_of_a_push_of_one_member_is_encoded_as_hiredis_encodes_it(
     writer = "w-" + "a" * 16
     for seq in (1, 2, 10**12):
         before = int(time.time() * 1000)
-        wire = buffer.wire_one(member, delta, writer, seq)
+        plan = buffer.plan_push({member: delta}, PushId(writer, seq))
         after = int(time.time() * 1000)
+        wire = plan.wire
         assert wire is not None
         reader = Reader()
         reader.feed(wire)
         parsed = reader.gets()
         sent_at = int(parsed[8])
         assert before <= sent_at <= after
-        plan = buffer.plan_push({member: delta}, PushId(writer, seq))
         ((keys, args),) = plan.calls
-        args[1] = sent_at
+        assert args[1] == sent_at
         assert wire == expected(line, keys, args)
 
 
@@ -94,15 +94,16 @@ def test_the_command_of_a_push_of_one_member_is_encoded_as_hiredis_encodes_it(
     [("naïve:clé", 1), ("unread:7", 0), ("unread:7", 2**53), ("unread:7", 2.0), ("unread:7", True)],
 )
 def test_a_push_of_one_member_of_another_kind_is_left_to_its_plan(buffer, member, delta):
-    assert buffer.wire_one(member, delta, "w-" + "a" * 16, 1) is None
+    assert buffer.plan_push({member: delta}, PushId("w-" + "a" * 16, 1)).wire is None
 
 
 def test_a_push_of_one_member_with_other_limits_is_left_to_its_plan(buffer, monkeypatch):
     from counters.buffer import intake
 
-    assert buffer.wire_one("unread:7", 1, "w-" + "a" * 16, 1) is not None
+    writer = "w-" + "a" * 16
+    assert buffer.plan_push({"unread:7": 1}, PushId(writer, 1)).wire is not None
     monkeypatch.setattr(intake, "PUSH_MARKER_TTL_MS", 5000)
-    assert buffer.wire_one("unread:7", 1, "w-" + "a" * 16, 1) is None
+    assert buffer.plan_push({"unread:7": 1}, PushId(writer, 1)).wire is None
 
 
 def test_a_push_made_with_other_limits_is_encoded_by_hiredis(buffer, line, monkeypatch):

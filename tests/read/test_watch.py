@@ -277,7 +277,7 @@ def test_a_counter_that_is_not_live_cannot_be_watched_and_costs_no_publish(make_
     buffer = get_buffer()
     plan = buffer.plan_push({f"unread:{alice.pk}": 1, f"unread:{alice.pk + 1}": 1}, "w1:1")
     assert all(len(keys) == 4 for keys, _ in plan.calls)  # no channel, no count
-    assert buffer.wire_one(f"unread:{alice.pk}", 1, "w1", 2) is not None
+    assert buffer.plan_push({f"unread:{alice.pk}": 1}, "w1:2").wire is not None
     assert buffer._live_keys_cache == {}
 
 
@@ -340,7 +340,6 @@ def test_a_push_publishes_each_live_member_on_its_own_channel_once_applied(
         assert both_keys == keys and both_args[3:] == [2, "unread:1", 1, "unread:2", 1]
         plan = buffer.plan_push({"unread:2": 2}, "w1:2")
         assert plan.wire is not None and plan.calls[0][0] == keys
-        assert buffer.wire_one("unread:2", 2, "w1", 2) is not None
         assert buffer.push({"unread:2": 2}, "w1:2") == {0}
         message = pubsub.get_sharded_message(timeout=1)
         assert message["channel"] == channels["unread:2"].encode()

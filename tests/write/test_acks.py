@@ -216,25 +216,25 @@ def test_the_pushes_waiting_on_a_line_have_a_writer_each_and_answered_writers_pu
 
 
 @pytest.mark.usefixtures("unread_until_asked")
-def test_a_push_of_one_member_waits_as_its_own_plan(make_user):
+def test_a_push_of_one_member_waits_with_its_plan(make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="one")
     line = line_of_thread()
     (push,) = line.waiting
-    assert type(push) is replies.OnePush
-    assert line.line.unread[0] is push  # the line holds it as the plan it wrote
+    assert type(push) is replies.Waiting
+    assert line.line.unread[0] is push.plan  # the line holds the plan it wrote
     member = f"unread:{alice.pk}"
     assert push.deltas == {member: 1} and push.using == "default"
     assert push.push_id == PushId(push.writer.id, 1) and push.writer.seq == 1
     plan = push.plan
     assert plan.push_id == push.push_id and plan.deltas == {member: 1}
     assert plan.groups == {get_buffer().shard_of(member): [member, 1]}
-    push.check([1])  # added
-    push.check([0])  # a repeat: nothing to say
+    plan.check([1])  # added
+    plan.check([0])  # a repeat: nothing to say
     with pytest.raises(StalePush):
-        push.check([2])  # delivered too late
+        plan.check([2])  # delivered too late
     with pytest.raises(UnexpectedScriptReply):
-        push.check([7])
+        plan.check([7])
     acks.acknowledge()
     assert not line.waiting and line.writers == [push.writer]
     assert in_redis(alice) == truth(alice) == 1
@@ -451,7 +451,6 @@ def test_with_the_setting_off_every_commit_waits(settings, make_user):
 def test_durable_pushes_are_acknowledged_later_and_their_rows_left_to_the_flush(
     settings, make_user
 ):
-    from django.db import transaction
 
     from counters.models import Outbox
     from counters.write import outbox
@@ -495,19 +494,13 @@ def test_a_durable_push_whose_reply_fails_is_written_directly_with_its_row(
     assert_exact(alice)
 
 
-# -- the thread's kept route ----------------------------------------------------------
-
-
-def route_kept() -> bool:
-    """Whether the thread's next push to the default database takes its kept route."""
-    return line_of_thread().kept == acks.route_epoch()
+# -- a thread's pushes, and what decides each -------------------------------------------
 
 
 @pytest.mark.usefixtures("unread_until_asked")
-def test_a_threads_first_push_keeps_its_route_and_the_next_ones_take_it(make_user):
+def test_a_threads_pushes_go_on_its_one_line(make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="first")
-    assert route_kept()
     line = line_of_thread()
     for i in range(3):
         Notification.objects.create(recipient=alice, verb=str(i))
@@ -520,48 +513,18 @@ def test_a_threads_first_push_keeps_its_route_and_the_next_ones_take_it(make_use
 
 
 @pytest.mark.usefixtures("unread_until_asked")
-def test_a_change_committed_already_takes_the_route_without_the_send_of_a_commit(
-    make_user, monkeypatch
+def test_durable_mode_holds_the_next_change_after_deltas_sent_without_a_push_id(
+    make_user, settings
 ):
-    """With autocommit on, the change goes from its record straight to the kept route;
-    a transaction's deltas still go through ``delivery.send`` at its COMMIT, to the
-    same line."""
-    alice = make_user()
-    Notification.objects.create(recipient=alice, verb="first")  # keeps the route
-    assert route_kept()
-    sent: list[dict[str, int]] = []
-    send = delivery.send
-
-    def counted_send(deltas, using, **kwargs):
-        sent.append(dict(deltas))
-        send(deltas, using, **kwargs)
-
-    monkeypatch.setattr(delivery, "send", counted_send)
-    Notification.objects.create(recipient=alice, verb="autocommit")
-    assert sent == []
-    with transaction.atomic():
-        Notification.objects.create(recipient=alice, verb="in a transaction")
-        Notification.objects.create(recipient=alice, verb="and another")
-    assert sent == [{f"unread:{alice.pk}": 2}]
-    assert waiting() == 3  # one line: every push written, its reply unread
-    acks.acknowledge()
-    assert in_redis(alice) == truth(alice) == 4
-    assert fallbacks() == 0
-    assert_exact(alice)
-
-
-@pytest.mark.usefixtures("unread_until_asked")
-def test_durable_mode_keeps_no_route(make_user, settings):
     """Deltas sent in durable mode without a push id of their own (as the on_commit
-    callback of a transaction that never COMMITs sends them) keep no route: the next
-    change made with autocommit on still has its outbox row."""
+    callback of a transaction that never COMMITs sends them): the next change made with
+    autocommit on still has its outbox row."""
     settings.COUNTERS_DURABLE = True
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="held")
     assert Outbox.objects.count() == 1
     for delta in (1, -1):  # no push id of their own, adding nothing together
         delivery.send({f"unread:{alice.pk}": delta}, "default")
-        assert not route_kept()
     Notification.objects.create(recipient=alice, verb="held too")
     assert Outbox.objects.count() == 2
     acks.acknowledge()
@@ -572,16 +535,13 @@ def test_durable_mode_keeps_no_route(make_user, settings):
 
 
 @pytest.mark.usefixtures("unread_until_asked")
-def test_a_changed_setting_drops_the_route_and_the_next_push_takes_its_new_path(
-    make_user, settings
-):
-    """Durable mode turned on after the route was kept: the next push is held in an
+def test_a_changed_setting_decides_the_next_push(make_user, settings):
+    """Durable mode turned on after a push on the line: the next push is held in an
     outbox row, as the setting says."""
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="before")
-    assert route_kept()
+    assert waiting() == 1
     settings.COUNTERS_DURABLE = True
-    assert not route_kept()
     Notification.objects.create(recipient=alice, verb="durable")
     assert Outbox.objects.count() == 1
     acks.acknowledge()
@@ -592,9 +552,7 @@ def test_a_changed_setting_drops_the_route_and_the_next_push_takes_its_new_path(
 
 
 @pytest.mark.usefixtures("unread_until_asked")
-def test_acknowledgements_turned_off_after_the_route_was_kept_wait_on_the_next_push(
-    make_user, settings
-):
+def test_acknowledgements_turned_off_wait_on_the_next_push(make_user, settings):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="deferred")
     assert waiting() == 1
@@ -607,7 +565,7 @@ def test_acknowledgements_turned_off_after_the_route_was_kept_wait_on_the_next_p
 
 
 @pytest.mark.usefixtures("unread_until_asked")
-def test_a_request_served_without_the_middleware_drops_the_route_of_every_thread(make_user):
+def test_after_a_request_served_without_the_middleware_every_push_is_waited_on(make_user):
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="deferred")
 
@@ -628,7 +586,7 @@ def test_a_request_served_without_the_middleware_drops_the_route_of_every_thread
 
 
 @pytest.mark.usefixtures("unread_until_asked")
-def test_no_route_is_kept_until_the_buffer_layout_is_recorded(make_user, monkeypatch):
+def test_each_push_records_the_buffer_layout_until_it_is_recorded(make_user, monkeypatch):
     """A layout the database could not record: each push records it again until it is."""
     locked = True
     record_layout = preflight.record_layout
@@ -644,11 +602,9 @@ def test_no_route_is_kept_until_the_buffer_layout_is_recorded(make_user, monkeyp
     alice = make_user()
     Notification.objects.create(recipient=alice, verb="unrecorded")
     assert waiting() == 1  # pushed all the same
-    assert not route_kept()
     assert not BufferLayout.objects.exists()
     locked = False
     Notification.objects.create(recipient=alice, verb="recorded")
-    assert route_kept()
     assert BufferLayout.objects.filter(prefix=get_buffer().prefix).exists()
     acks.acknowledge()
     assert in_redis(alice) == truth(alice) == 2
