@@ -83,3 +83,27 @@ def test_a_celery_task_pushes_its_commits_when_it_ends(make_user):
     assert in_redis(alice) == truth(alice) == 2
     assert sender._senders["default"].batches == 1
     assert_exact(alice)
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_the_flush_task_pushes_its_process_queue_first(make_user, settings, parallelism):
+    """``counters.flush_counters`` (beat's task), alone or fanned out to its parts (run
+    eagerly here), flushes what the process that runs it committed a moment before."""
+    from config.celery import app
+    from counters import tasks
+    from tests.helpers import stored
+
+    settings.COUNTERS_FLUSH_PARALLELISM = parallelism
+    alice = make_user()
+    for i in range(2):
+        Notification.objects.create(recipient=alice, verb=str(i))
+    assert in_redis(alice) == 0  # queued
+    before = app.conf.task_always_eager
+    app.conf.task_always_eager = True
+    try:
+        tasks.flush_counters()
+    finally:
+        app.conf.task_always_eager = before
+    assert stored(alice) == truth(alice) == 2
+    assert in_redis(alice) == 0  # flushed: nothing left pending
+    assert_exact(alice)
