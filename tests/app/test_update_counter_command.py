@@ -19,7 +19,7 @@ from tests.procs import manage, project_env, run_manage
 pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.redis,
-    pytest.mark.usefixtures("redis_backend"),
+    pytest.mark.usefixtures("redis_backend", "per_commit"),  # a command in another process
 ]
 
 

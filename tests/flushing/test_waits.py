@@ -138,7 +138,7 @@ def wait_for(predicate, seconds: float, what: str):
 
 
 @pytest.fixture
-def users(settings, make_user) -> list:
+def users(settings, make_user, per_commit) -> list:
     settings.COUNTERS_SHARDS = 1
     people = [make_user() for _ in range(12)]
     Notification.objects.notify(people, verb="v")
