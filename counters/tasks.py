@@ -26,7 +26,6 @@ from counters.flushing.result import FlushResult
 from counters.ops.fanout import FlushRun, finish_run, flush_part, start_run
 from counters.ops.run import flush_databases
 from counters.verify.audit import audit_databases
-from counters.write import sender
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +93,8 @@ def flush_counters() -> None:
     Overlapping runs are safe: leases. Logs one line: at INFO when a run
     did something, at DEBUG when it was idle. While Redis data loss is
     unrepaired, each run logs an ERROR. Returns nothing, so that the worker
-    has nothing to log or store per run. What this process committed and
-    still holds in its sender's queue is pushed first, as by
-    :func:`counters.flush`.
+    has nothing to log or store per run.
     """
-    sender.push_queued()
     parallelism = conf.flush_parallelism()
     if parallelism > 1:
         dispatch(parallelism)

@@ -67,6 +67,7 @@ from counters.flushing.result import FlushResult
 from counters.flushing.settle import settle_fallbacks
 from counters.ops.run import LAYOUT_PENDING_MESSAGE, added_up, needed_since, repair_and_rebuild
 from counters.read import backfill
+from counters.write import sender
 from counters.write.durable import clear_applied, drain_outbox
 
 logger = logging.getLogger(__name__)
@@ -108,9 +109,12 @@ class FlushRun:
 def start_run(using: str, parallelism: int) -> FlushRun:
     """Settle direct writes, prune the ledger and record a new run of ``parallelism`` parts.
 
-    Raises :class:`BufferUnavailable` when Redis cannot be reached; database
-    errors propagate.
+    What this process committed and still holds in its sender's queue is pushed
+    first, as :func:`counters.ops.run.flush` does. Raises
+    :class:`BufferUnavailable` when Redis cannot be reached; database errors
+    propagate.
     """
+    sender.push_queued(using)  # what this process committed is flushed too
     buffer = get_buffer(using)
     run = FlushRun(uuid.uuid4().hex[:16], using, partition(buffer.shards, parallelism))
     try:

@@ -11,10 +11,12 @@ from django.db import connections
 from django.http import HttpResponse
 from django.test import RequestFactory
 
+from config.celery import app
+from counters import tasks
 from counters.middleware import AcknowledgeMiddleware
 from counters.write import sender
 from notifications.models import Notification
-from tests.helpers import assert_exact, in_redis, truth
+from tests.helpers import assert_exact, in_redis, stored, truth
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("redis_backend")]
 
@@ -89,10 +91,6 @@ def test_a_celery_task_pushes_its_commits_when_it_ends(make_user):
 def test_the_flush_task_pushes_its_process_queue_first(make_user, settings, parallelism):
     """``counters.flush_counters`` (beat's task), alone or fanned out to its parts (run
     eagerly here), flushes what the process that runs it committed a moment before."""
-    from config.celery import app
-    from counters import tasks
-    from tests.helpers import stored
-
     settings.COUNTERS_FLUSH_PARALLELISM = parallelism
     alice = make_user()
     for i in range(2):
